@@ -1,0 +1,50 @@
+"""fedskew ClientApp: each handler loads the site's data and calls a plain function."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_site
+from fedskew.config import RunConfig
+from fedskew.strategies.fednca import ETF_KEY
+
+app = ClientApp()
+
+
+def received_etf_array(msg: Message) -> np.ndarray | None:
+    """FedNCA-ML's server-held ETF travels as its own ArrayRecord, never aggregated or returned."""
+    if ETF_KEY not in msg.content.array_records:
+        return None
+    return msg.content[ETF_KEY].to_torch_state_dict()[ETF_KEY].numpy()
+
+
+@app.query("site_survey")
+def survey(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    return Message(RecordDict({"survey": MetricRecord(site_survey(cfg, load_site(cfg, context.node_config)))}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    config = msg.content["config"]
+    state, metrics = train_site(
+        cfg,
+        site,
+        msg.content["arrays"].to_torch_state_dict(),
+        server_round=int(config["server-round"]),
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        etf=received_etf_array(msg),
+    )
+    return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    metrics = evaluate_site(cfg, site, msg.content["arrays"].to_torch_state_dict(), etf=received_etf_array(msg))
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -1,0 +1,137 @@
+"""Site-side work as plain functions (no Flower types): what each ClientApp handler calls."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedskew.config import RunConfig
+from fedskew.data.partition import label_cooccurrence, label_counts
+from fedskew.data.sites import SiteData, load_partition, simulated_site
+from fedskew.models.build import build_model
+from fedskew.models.fednca import check_simplex_etf, fednca_loss, fednca_optimizer
+from fedskew.training import classification_loss, evaluate, make_loader, pick_device, sgd, train_local
+
+
+def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
+    """The site's own data: its simulated partition share (partition-id / num-partitions)."""
+    if "partition-id" not in node_config or "num-partitions" not in node_config:
+        raise ValueError(
+            "this SuperNode has no data: give it --node-config \"partition-id=K num-partitions=N\" "
+            f"(node config seen: {dict(node_config)})"
+        )
+    return simulated_site(cfg, int(node_config["partition-id"]), int(node_config["num-partitions"]))
+
+
+def site_survey(cfg: RunConfig, site: SiteData) -> dict:
+    """Label statistics only (counts, never images) for the run's partition record."""
+    all_idx = np.arange(len(site.train_labels))
+    survey = {
+        "site-id": site.site_id,
+        "num-sites": site.num_sites,
+        "train-size": len(site.train_labels),
+        "val-size": len(site.val_labels),
+        "label-counts": label_counts(site.train_labels, [all_idx], site.num_classes)[0].tolist(),
+        "unassigned": int(len(load_partition(cfg, site.num_sites).unassigned)),
+    }
+    if site.multilabel:
+        survey["cooccurrence"] = label_cooccurrence(site.train_labels, all_idx).ravel().tolist()
+    return survey
+
+
+def received_etf(etf: np.ndarray | None, num_classes: int) -> torch.Tensor | None:
+    """The server's ETF, checked before use: a malformed matrix is refused with the reason."""
+    if etf is None:
+        return None
+    if etf.ndim != 2:
+        raise ValueError(f"refusing the server's ETF: expected a (dim, {num_classes}) matrix, got shape {etf.shape}")
+    check_simplex_etf(etf, num_classes, etf.shape[0])
+    return torch.from_numpy(np.array(etf, dtype=np.float32))
+
+
+def _site_model(
+    cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], etf: np.ndarray | None = None
+) -> nn.Module:
+    model = build_model(cfg, site.num_classes, site.train_images.shape[1:], etf=received_etf(etf, site.num_classes))
+    model.load_state_dict(state)
+    return model
+
+
+def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, server_round: int):
+    """(optimizer, scheduler, loss_fn) for the method. FedNCA-ML's warm-up/decay schedule spans
+    the whole run, so each round continues it where the previous round stopped."""
+    if cfg.method != "fednca":
+        return sgd(model, cfg.lr, cfg.momentum, cfg.weight_decay), None, classification_loss
+    nca = cfg.fednca
+    optimizer, scheduler = fednca_optimizer(
+        model,
+        total_steps=cfg.num_server_rounds * steps_per_round,
+        lr=nca.lr,
+        betas=(0.9, nca.beta2),
+        weight_decay=nca.weight_decay,
+        warmup_fraction=nca.warmup_fraction,
+        step_offset=(server_round - 1) * steps_per_round,
+    )
+    loss_fn = functools.partial(
+        fednca_loss,
+        rejection_weight=nca.rejection_weight,
+        contrastive_weight=nca.contrastive_weight,
+        margin=nca.margin,
+        tau=nca.tau,
+        use_regularisers=nca.regularisers,
+    )
+    return optimizer, scheduler, loss_fn
+
+
+def train_site(
+    cfg: RunConfig,
+    site: SiteData,
+    state: dict[str, torch.Tensor],
+    *,
+    server_round: int,
+    proximal_mu: float = 0.0,
+    etf: np.ndarray | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """One round of local training from the global weights; returns new weights and metrics."""
+    device = pick_device(cfg.device)
+    model = _site_model(cfg, site, state, etf)
+    loader = make_loader(
+        site.train_images, site.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + 1000 * server_round + site.site_id
+    )
+    optimizer, scheduler, loss_fn = local_optimisation(
+        cfg, model, cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size), server_round
+    )
+    stats = train_local(
+        model,
+        loader,
+        epochs=cfg.local_epochs,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=loss_fn,
+        device=device,
+        proximal_mu=proximal_mu,
+    )
+    metrics = {
+        "train_loss": stats["train_loss"],
+        "train_seconds": stats["train_seconds"],
+        "num-examples": stats["num_examples"],
+        "unit-weight": 1,
+    }
+    return {k: v.cpu() for k, v in model.state_dict().items()}, metrics
+
+
+# Metrics defined on any non-empty split (AUC is not: a small site split can lack a label), so
+# every site reports the same keys, as Flower's averaging requires.
+VAL_METRICS = {True: ("f1_macro", "f1_micro"), False: ("accuracy", "balanced_accuracy")}
+
+
+def evaluate_site(cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], etf: np.ndarray | None = None) -> dict:
+    """Global model on the site's local validation split."""
+    model = _site_model(cfg, site, state, etf)
+    metrics = evaluate(model, site.val_images, site.val_labels, device=pick_device(cfg.device))
+    scalars = {f"val_{k}": float(metrics[k]) for k in VAL_METRICS[site.multilabel]}
+    return {**scalars, "num-examples": len(site.val_labels), "unit-weight": 1}

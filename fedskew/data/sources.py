@@ -1,0 +1,356 @@
+"""Image data sources: scikit-learn digits, MedMNIST, MedMNIST-layout npz files and CIFAR-10.
+
+Every source is returned as an `ImageDataset` of float32 (N, C, H, W) images in [0, 1] with
+int64 class ids (N,) or float32 multi-hot labels (N, K).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from medmnist import INFO as MEDMNIST_INFO
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torchvision.datasets import CIFAR10
+
+MEDMNIST_SIZES = (28, 64, 128, 224)
+MEDMNIST_2D_NAMES = tuple(name for name in MEDMNIST_INFO if not name.endswith("3d"))
+NPZ_SPLITS = ("train", "val", "test")
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+DIGITS_TEST_FRACTION = 0.2
+DATASET_FORMS = (
+    "'digits', 'cifar10', 'medmnist:<name>' (name one of " + ", ".join(MEDMNIST_2D_NAMES) + ") "
+    "or 'npz:<path>' (a file in MedMNIST npz layout; a relative path is taken under data-root)"
+)
+
+
+class DataSourceError(ValueError):
+    """A dataset cannot be loaded: unknown name, missing or corrupt file, malformed content."""
+
+
+@dataclass(frozen=True, eq=False)
+class ImageDataset:
+    train_images: np.ndarray  # float32 (N, C, H, W) in [0, 1]
+    train_labels: np.ndarray  # int64 (N,) class ids or float32 (N, K) multi-hot
+    test_images: np.ndarray
+    test_labels: np.ndarray
+    num_classes: int
+    class_names: tuple[str, ...]
+    name: str
+
+    def __post_init__(self) -> None:
+        for split in ("train", "test"):
+            images, labels = getattr(self, f"{split}_images"), getattr(self, f"{split}_labels")
+            if images.ndim != 4 or len(images) != len(labels):
+                raise ValueError(
+                    f"{self.name}: {split} images {images.shape} and labels {labels.shape}; "
+                    "expected (N, C, H, W) images and N label rows"
+                )
+        if self.train_labels.ndim != self.test_labels.ndim or self.train_images.shape[1:] != self.test_images.shape[1:]:
+            raise ValueError(f"{self.name}: train and test splits differ in label kind or image shape")
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes")
+
+    @property
+    def multilabel(self) -> bool:
+        return self.train_labels.ndim == 2
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        channels, height, width = self.train_images.shape[1:]
+        return channels, height, width
+
+
+def load_source(
+    dataset: str, *, data_root: str | Path, image_size: int = 0, allow_download: bool = False, seed: int = 0
+) -> ImageDataset:
+    """Load `dataset` ('digits', 'cifar10', 'medmnist:<name>', 'npz:<path>').
+
+    image_size 0 keeps the native size; otherwise images are resized to image_size x image_size
+    (MedMNIST reads its native file of that size when one exists). `seed` only affects `digits`,
+    the one source without an official test split. MedMNIST and npz sources merge their val split
+    into train: sites carve their own validation split out of their training share.
+    """
+    if image_size < 0:
+        raise DataSourceError(f"image_size={image_size} is negative; valid: 0 (native size) or a positive pixel count")
+    kind, _, argument = dataset.partition(":")
+    if dataset == "digits":
+        source = _load_digits(seed)
+    elif dataset == "cifar10":
+        source = _load_cifar10(Path(data_root).expanduser(), allow_download)
+    elif kind == "medmnist" and argument:
+        source = _load_medmnist(argument, Path(data_root).expanduser(), image_size, allow_download)
+    elif kind == "npz" and argument:
+        path = Path(argument).expanduser()
+        source = load_npz(path if path.is_absolute() else Path(data_root).expanduser() / path)
+    else:
+        raise DataSourceError(f"unknown dataset {dataset!r}; valid forms: {DATASET_FORMS}")
+    return resize_dataset(source, image_size)
+
+
+def resize_images(images: np.ndarray, size: int, batch_size: int = 2048) -> np.ndarray:
+    """Bilinear, antialiased resize of (N, C, H, W) images to (N, C, size, size), in batches to bound memory."""
+    resized = np.empty((len(images), images.shape[1], size, size), dtype=np.float32)
+    for start in range(0, len(images), batch_size):
+        batch = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size]))
+        resized[start : start + batch_size] = F.interpolate(
+            batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        ).numpy()
+    # The filter is a convex combination, but its float weights can step a hair outside [0, 1].
+    return np.clip(resized, 0.0, 1.0, out=resized)
+
+
+def resize_dataset(dataset: ImageDataset, image_size: int) -> ImageDataset:
+    """`dataset` with both splits resized to image_size x image_size; 0 or the current size is a no-op."""
+    _, height, width = dataset.image_shape
+    if image_size == 0 or (height, width) == (image_size, image_size):
+        return dataset
+    return ImageDataset(
+        train_images=resize_images(dataset.train_images, image_size),
+        train_labels=dataset.train_labels,
+        test_images=resize_images(dataset.test_images, image_size),
+        test_labels=dataset.test_labels,
+        num_classes=dataset.num_classes,
+        class_names=dataset.class_names,
+        name=dataset.name,
+    )
+
+
+def _load_digits(seed: int) -> ImageDataset:
+    bunch = load_digits()
+    images = (bunch.images / 16.0).astype(np.float32)[:, None]
+    labels = bunch.target.astype(np.int64)
+    train_images, test_images, train_labels, test_labels = train_test_split(
+        images, labels, test_size=DIGITS_TEST_FRACTION, stratify=labels, random_state=seed
+    )
+    return ImageDataset(
+        train_images=train_images,
+        train_labels=train_labels,
+        test_images=test_images,
+        test_labels=test_labels,
+        num_classes=10,
+        class_names=tuple(str(digit) for digit in range(10)),
+        name="digits",
+    )
+
+
+def _load_cifar10(root: Path, allow_download: bool) -> ImageDataset:
+    try:
+        train = CIFAR10(root=str(root), train=True, download=allow_download)
+        test = CIFAR10(root=str(root), train=False, download=False)
+    except (RuntimeError, OSError) as err:
+        # torchvision raises RuntimeError for missing/corrupt files and URLError (an OSError) for failed downloads.
+        how = "downloading failed; place it by hand" if allow_download else "or allow downloading to fetch it"
+        raise DataSourceError(
+            f"CIFAR-10 is not available under {root} ({err}): extract {CIFAR10_URL} so that the folder "
+            f"{root / 'cifar-10-batches-py'} exists ({how})"
+        ) from err
+    return ImageDataset(
+        train_images=_images_to_nchw(train.data, "cifar10", "train images"),
+        train_labels=np.asarray(train.targets, dtype=np.int64),
+        test_images=_images_to_nchw(test.data, "cifar10", "test images"),
+        test_labels=np.asarray(test.targets, dtype=np.int64),
+        num_classes=len(train.classes),
+        class_names=tuple(train.classes),
+        name="cifar10",
+    )
+
+
+def medmnist_file(name: str, data_root: str | Path, image_size: int) -> Path:
+    """The MedMNIST file for `name` at `image_size`: <root>/<name>.npz (28 px) or <root>/<name>_<size>.npz."""
+    size = image_size if image_size in MEDMNIST_SIZES else 28
+    return Path(data_root) / (f"{name}.npz" if size == 28 else f"{name}_{size}.npz")
+
+
+def _load_medmnist(name: str, data_root: Path, image_size: int, allow_download: bool) -> ImageDataset:
+    if name not in MEDMNIST_2D_NAMES:
+        raise DataSourceError(f"unknown MedMNIST dataset {name!r}; valid 2D names: {', '.join(MEDMNIST_2D_NAMES)}")
+    info = MEDMNIST_INFO[name]
+    path = medmnist_file(name, data_root, image_size)
+    size_suffix = path.stem.removeprefix(name)  # "" for 28 px, "_64" ...
+    url, expected_md5 = info[f"url{size_suffix}"], info[f"MD5{size_suffix}"]
+    if not path.exists():
+        if not allow_download:
+            raise DataSourceError(
+                f"MedMNIST file {path} not found: download {url} (MD5 {expected_md5}) and place it at exactly "
+                "that path, or allow downloading to fetch it"
+            )
+        _download(url, path)
+    actual_md5 = _file_md5(str(path), *_file_version(path))
+    if actual_md5 != expected_md5:
+        raise DataSourceError(
+            f"{path} has MD5 {actual_md5} but the official {path.name} has MD5 {expected_md5} (corrupt, truncated "
+            f"or a different version): delete it and download it again from {url}, or place the official file there"
+        )
+    class_names = tuple(info["label"][key] for key in sorted(info["label"], key=int))
+    return _dataset_from_npz_arrays(
+        _read_npz(str(path), *_file_version(path)), str(path), name=f"medmnist:{name}", class_names=class_names
+    )
+
+
+def _download(url: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # parallel site processes may download at once
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, partial.open("wb") as out:
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+    except (OSError, ValueError) as err:  # URLError and timeouts are OSErrors; a malformed URL is a ValueError
+        partial.unlink(missing_ok=True)
+        raise DataSourceError(f"downloading {url} to {path} failed ({err}): place the file there by hand") from err
+    partial.replace(path)
+
+
+def _file_version(path: Path) -> tuple[int, int]:
+    """(mtime_ns, size): part of the cache keys so a replaced file is read again."""
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _file_md5(path: str, mtime_ns: int, size: int) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=2)
+def _read_npz(path: str, mtime_ns: int, size: int) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise DataSourceError(f"cannot read {path} as an npz archive: {err}") from err
+    for array in arrays.values():
+        array.setflags(write=False)  # shared through the cache
+    return arrays
+
+
+def load_npz(path: str | Path) -> ImageDataset:
+    """A file in MedMNIST npz layout: {train,val,test}_{images,labels}, optional class_names; val merged into train."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataSourceError(f"npz dataset file {path} not found; give an existing file in MedMNIST npz layout")
+    return _dataset_from_npz_arrays(_read_npz(str(path), *_file_version(path)), str(path), name=f"npz:{path.name}")
+
+
+def _dataset_from_npz_arrays(
+    arrays: dict[str, np.ndarray], source: str, *, name: str, class_names: tuple[str, ...] | None = None
+) -> ImageDataset:
+    """Validate MedMNIST-layout arrays and build the dataset (val merged into train)."""
+    required = [f"{split}_{part}" for split in NPZ_SPLITS for part in ("images", "labels")]
+    missing = [key for key in required if key not in arrays]
+    if missing:
+        raise DataSourceError(
+            f"{source}: missing key(s) {', '.join(missing)}; the file has {sorted(arrays)} but needs "
+            "{train,val,test}_{images,labels}"
+        )
+    images = {split: _images_to_nchw(arrays[f"{split}_images"], source, f"{split}_images") for split in NPZ_SPLITS}
+    labels = {split: _checked_labels(arrays[f"{split}_labels"], source, f"{split}_labels") for split in NPZ_SPLITS}
+    for split in NPZ_SPLITS:
+        if len(images[split]) != len(labels[split]):
+            raise DataSourceError(
+                f"{source}: '{split}_labels' has {len(labels[split])} rows but '{split}_images' has "
+                f"{len(images[split])} images; each image needs exactly one label row"
+            )
+        if images[split].shape[1:] != images["train"].shape[1:]:
+            raise DataSourceError(
+                f"{source}: '{split}_images' has image shape {images[split].shape[1:]} (C, H, W) but "
+                f"'train_images' has {images['train'].shape[1:]}; all splits need the same image shape"
+            )
+        if labels[split].ndim != labels["train"].ndim or labels[split].shape[1:] != labels["train"].shape[1:]:
+            raise DataSourceError(
+                f"{source}: '{split}_labels' has shape {arrays[f'{split}_labels'].shape} but 'train_labels' has "
+                f"{arrays['train_labels'].shape}; all splits need the same label kind and number of labels"
+            )
+    for split in ("train", "test"):
+        if len(images[split]) == 0:
+            raise DataSourceError(f"{source}: '{split}_images' is empty; the train and test splits need samples")
+    multilabel = labels["train"].ndim == 2
+    found_classes = (
+        labels["train"].shape[1] if multilabel else 1 + max(int(split.max(initial=0)) for split in labels.values())
+    )
+    if class_names is None:
+        class_names = _npz_class_names(arrays, source, found_classes)
+    if found_classes > len(class_names) or (multilabel and found_classes != len(class_names)):
+        raise DataSourceError(
+            f"{source}: labels need {found_classes} classes but the dataset defines {len(class_names)} "
+            f"({', '.join(class_names)})"
+        )
+    return ImageDataset(
+        train_images=np.concatenate([images["train"], images["val"]]),
+        train_labels=np.concatenate([labels["train"], labels["val"]]),
+        test_images=images["test"],
+        test_labels=labels["test"],
+        num_classes=len(class_names),
+        class_names=class_names,
+        name=name,
+    )
+
+
+def _npz_class_names(arrays: dict[str, np.ndarray], source: str, num_classes: int) -> tuple[str, ...]:
+    if "class_names" not in arrays:
+        return tuple(str(k) for k in range(num_classes))
+    names = arrays["class_names"]
+    if names.ndim != 1 or len(names) != num_classes:
+        raise DataSourceError(
+            f"{source}: 'class_names' has shape {names.shape}; expected ({num_classes},), one name per class"
+        )
+    return tuple(str(name) for name in names)
+
+
+def _images_to_nchw(images: np.ndarray, source: str, key: str) -> np.ndarray:
+    """(N, H, W) or (N, H, W, C) uint8 / [0, 1] float images as float32 (N, C, H, W)."""
+    if images.ndim not in (3, 4):
+        raise DataSourceError(f"{source}: '{key}' has shape {images.shape}; expected (N, H, W) or (N, H, W, C)")
+    if images.dtype == np.uint8:
+        scaled = images.astype(np.float32) / 255.0
+    elif np.issubdtype(images.dtype, np.floating):
+        if not np.isfinite(images).all():
+            raise DataSourceError(f"{source}: '{key}' contains NaN or infinite values; expected values in [0, 1]")
+        if images.size and (images.min() < 0 or images.max() > 1):
+            raise DataSourceError(
+                f"{source}: '{key}' values span [{images.min()}, {images.max()}]; float images must lie in [0, 1] "
+                "(or store uint8 0-255)"
+            )
+        scaled = images.astype(np.float32)
+    else:
+        raise DataSourceError(f"{source}: '{key}' has dtype {images.dtype}; expected uint8 (0-255) or float in [0, 1]")
+    return np.ascontiguousarray(scaled[:, None] if scaled.ndim == 3 else scaled.transpose(0, 3, 1, 2))
+
+
+def _checked_labels(labels: np.ndarray, source: str, key: str) -> np.ndarray:
+    """(N,) / (N, 1) class ids as int64 (N,); (N, K > 1) 0/1 multi-hot as float32 (N, K)."""
+    if labels.ndim not in (1, 2):
+        raise DataSourceError(
+            f"{source}: '{key}' has shape {labels.shape}; expected (N, 1) class ids or (N, K) multi-hot"
+        )
+    numeric = np.issubdtype(labels.dtype, np.integer) or np.issubdtype(labels.dtype, np.floating)
+    if not (numeric or labels.dtype == bool):
+        raise DataSourceError(f"{source}: '{key}' has dtype {labels.dtype}; expected integer or float labels")
+    if np.issubdtype(labels.dtype, np.floating) and not np.isfinite(labels).all():
+        raise DataSourceError(f"{source}: '{key}' contains NaN or infinite values")
+    if labels.ndim == 2 and labels.shape[1] > 1:
+        if not np.isin(labels, (0, 1)).all():
+            bad = np.unique(labels[~np.isin(labels, (0, 1))])[:5]
+            raise DataSourceError(
+                f"{source}: '{key}' is multi-hot (N, K) but holds values {bad.tolist()}; expected 0/1"
+            )
+        return labels.astype(np.float32)
+    class_ids = labels.reshape(len(labels))
+    if np.issubdtype(class_ids.dtype, np.floating) and (class_ids != np.round(class_ids)).any():
+        raise DataSourceError(f"{source}: '{key}' holds non-integer class ids; expected whole numbers >= 0")
+    if class_ids.size and class_ids.min() < 0:
+        raise DataSourceError(f"{source}: '{key}' holds negative class id {class_ids.min()}; expected ids >= 0")
+    return class_ids.astype(np.int64)

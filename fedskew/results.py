@@ -1,0 +1,171 @@
+"""A run's results directory: config, partition, per-round metrics, summary, curves, checkpoint.
+
+Every line of metrics.jsonl is flushed as soon as its round ends, so an interrupted or failed
+run keeps everything up to its last round; summary.json is rewritten after every round and
+says whether the run completed or failed, and why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from fedskew.config import RunConfig  # noqa: E402
+from fedskew.metrics import headline_metric  # noqa: E402
+
+# Metrics shown in the per-round log line and the curves, by label kind.
+HEADLINE = {True: ("f1_macro", "auc_macro", "map"), False: ("accuracy", "balanced_accuracy", "auroc_macro")}
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    return value
+
+
+def write_json(path: Path, payload: Any) -> Path:
+    path.write_text(json.dumps(_json_safe(payload), indent=2) + "\n")
+    return path
+
+
+def run_dir_name(method: str, dataset: str, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S-%f")
+    return f"{stamp}-{method}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', dataset)}"
+
+
+@dataclass
+class RunRecorder:
+    """Collects what a run produces and writes it under `path` as it goes."""
+
+    path: Path
+    multilabel: bool
+    method: str
+    started: float = field(default_factory=time.perf_counter)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    _round_start: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def create(cls, cfg: RunConfig, multilabel: bool, base: Path | None = None) -> RunRecorder:
+        path = Path(base or cfg.results_dir) / run_dir_name(cfg.method, cfg.dataset)
+        path.mkdir(parents=True, exist_ok=False)
+        write_json(path / "config.json", cfg.to_run_config())
+        return cls(path=path, multilabel=multilabel, method=cfg.method)
+
+    # --- communication -------------------------------------------------------------------
+    def count_bytes(self, direction: str, site: str, nbytes: int) -> None:
+        book = self.bytes_sent if direction == "sent" else self.bytes_received
+        book[site] = book.get(site, 0) + nbytes
+
+    def record_dropout(self, server_round: int, site: str, reason: str) -> None:
+        self.dropped.append({"round": server_round, "site": site, "reason": reason})
+
+    # --- rounds ----------------------------------------------------------------------------
+    def record_round(
+        self,
+        server_round: int,
+        test: dict[str, Any],
+        train: dict[str, Any] | None = None,
+        val: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        now = time.perf_counter()
+        entry = {
+            "round": server_round,
+            "round_seconds": now - self._round_start,
+            "elapsed_seconds": now - self.started,
+            "train": train or {},
+            "val": val or {},
+            "test": test,
+        }
+        self._round_start = now
+        self.rounds.append(entry)
+        with (self.path / "metrics.jsonl").open("a") as fh:
+            fh.write(json.dumps(_json_safe(entry)) + "\n")
+        self.write_summary("running")
+        print(self.round_line(entry), flush=True)
+        return entry
+
+    def round_line(self, entry: dict[str, Any]) -> str:
+        parts = [f"[{self.method}] round {entry['round']:>3}"]
+        if "train_loss" in entry["train"]:
+            parts.append(f"train loss {entry['train']['train_loss']:.4f}")
+        parts.append(" ".join(f"{k} {entry['test'][k]:.4f}" for k in HEADLINE[self.multilabel] if k in entry["test"]))
+        parts.append(f"{entry['round_seconds']:.1f}s")
+        return " | ".join(parts)
+
+    def best_round(self) -> dict[str, Any] | None:
+        key = headline_metric(self.multilabel)
+        scored = [r for r in self.rounds if r["round"] > 0 and isinstance(r["test"].get(key), float)]
+        return max(scored, key=lambda r: r["test"][key]) if scored else None
+
+    def write_summary(self, status: str, reason: str | None = None) -> Path:
+        final = self.rounds[-1] if self.rounds else None
+        best = self.best_round()
+        summary = {
+            "method": self.method,
+            "status": status,
+            "reason": reason,
+            "rounds_completed": max((r["round"] for r in self.rounds), default=0),
+            "wall_seconds": time.perf_counter() - self.started,
+            "final": final["test"] if final else None,
+            "best_round": best["round"] if best else None,
+            "best": best["test"] if best else None,
+            "bytes": {
+                "sent_total": sum(self.bytes_sent.values()),
+                "received_total": sum(self.bytes_received.values()),
+                "sent_per_site": self.bytes_sent,
+                "received_per_site": self.bytes_received,
+            },
+            "dropped": self.dropped,
+            **self.extra,
+        }
+        return write_json(self.path / "summary.json", summary)
+
+    # --- artefacts -------------------------------------------------------------------------
+    def save_checkpoint(self, state_dict: dict[str, torch.Tensor], name: str = "model.safetensors") -> Path:
+        path = self.path / name
+        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(path))
+        return path
+
+    def plot_curves(self) -> Path:
+        rounds = [r["round"] for r in self.rounds]
+        keys = HEADLINE[self.multilabel]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for key in keys:
+            axes[0].plot(rounds, [r["test"].get(key, np.nan) for r in self.rounds], marker="o", label=key)
+        axes[0].set(xlabel="round", ylabel="test metric", title=f"{self.method}: test metrics")
+        axes[0].legend()
+        axes[0].grid(alpha=0.3)
+        losses = [(r["round"], r["train"]["train_loss"]) for r in self.rounds if "train_loss" in r["train"]]
+        if losses:
+            axes[1].plot(*zip(*losses), marker="o", color="tab:red")
+        axes[1].set(xlabel="round", ylabel="mean local training loss", title="training loss")
+        axes[1].grid(alpha=0.3)
+        fig.tight_layout()
+        path = self.path / "curves.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

@@ -1,0 +1,66 @@
+"""A mixin that makes any Flower strategy report what a fedskew run records: bytes actually
+serialised in each direction per site, the latest aggregated train/validation metrics, and
+which sites failed in each round (with their reason)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp import Grid
+
+from fedskew.results import RunRecorder
+
+
+def payload_nbytes(message: Message) -> int:
+    """Size of the message content as Flower serialises it for the wire."""
+    return recorddict_to_proto(message.content).ByteSize() if message.has_content() else 0
+
+
+class RecordingMixin:
+    """Put before a Flower strategy in the bases: `class X(RecordingMixin, FedAvg)`."""
+
+    recorder: RunRecorder
+    last_train_metrics: dict
+    last_val_metrics: dict
+
+    def attach(self, recorder: RunRecorder) -> None:
+        self.recorder = recorder
+        self.last_train_metrics, self.last_val_metrics = {}, {}
+
+    def _count_out(self, messages: Iterable[Message]) -> list[Message]:
+        messages = list(messages)
+        for msg in messages:
+            self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
+        return messages
+
+    def _count_in(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        replies = list(replies)
+        for msg in replies:
+            site = str(msg.metadata.src_node_id)
+            if msg.has_error():
+                self.recorder.record_dropout(server_round, site, msg.error.reason)
+            else:
+                self.recorder.count_bytes("received", site, payload_nbytes(msg))
+        return replies
+
+    def extend_messages(self, messages: Iterable[Message]) -> Iterable[Message]:
+        """Hook for strategies that send more than the base strategy (counted as sent)."""
+        return messages
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        return self._count_out(self.extend_messages(super().configure_train(server_round, arrays, config, grid)))
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        return self._count_out(self.extend_messages(super().configure_evaluate(server_round, arrays, config, grid)))
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        arrays, metrics = super().aggregate_train(server_round, self._count_in(server_round, replies))
+        self.last_train_metrics = dict(metrics) if metrics is not None else {}
+        return arrays, metrics
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        metrics = super().aggregate_evaluate(server_round, self._count_in(server_round, replies))
+        self.last_val_metrics = dict(metrics) if metrics is not None else {}
+        return metrics

@@ -1,0 +1,108 @@
+"""Plain local training and evaluation: no Flower types, so they are testable on their own
+and shared by every method (the Flower handlers and the centralised bound call them)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedskew.metrics import multilabel_metrics, single_label_metrics
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """CUDA when present (auto) or asked for; asking for CUDA without one is an error, not a silent CPU run."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device; valid here: auto, cpu")
+    return torch.device(requested)
+
+
+def make_loader(images: np.ndarray, labels: np.ndarray, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+    dataset = TensorDataset(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(np.ascontiguousarray(labels)))
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
+
+
+def classification_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class ids, summed-over-labels BCE for multi-hot targets."""
+    logits = model(x)
+    if y.ndim == 2:
+        return F.binary_cross_entropy_with_logits(logits, y.float(), reduction="sum") / len(x)
+    return F.cross_entropy(logits, y)
+
+
+def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
+    """FedProx: squared distance of the trainable weights to the round's global weights."""
+    return sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+
+
+def train_local(
+    model: nn.Module,
+    loader: DataLoader,
+    *,
+    epochs: int,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    loss_fn: LossFn = classification_loss,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    proximal_mu: float = 0.0,
+) -> dict[str, float]:
+    """Train in place; returns mean loss, examples seen per epoch and wall time."""
+    model.to(device).train()
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    total_loss, total_seen = 0.0, 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = loss_fn(model, x, y)
+            if anchor is not None:
+                loss = loss + 0.5 * proximal_mu * proximal_term(model, anchor)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss.item()}; lower `lr` or check the data")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            total_loss += loss.item() * len(x)
+            total_seen += len(x)
+    return {
+        "train_loss": total_loss / max(total_seen, 1),
+        "num_examples": len(loader.dataset),
+        "train_seconds": time.perf_counter() - start,
+    }
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader: DataLoader, device: torch.device, multilabel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and probabilities (sigmoid for multi-label, softmax otherwise) over a loader."""
+    model.to(device).eval()
+    labels, probs = [], []
+    for x, y in loader:
+        logits = model(x.to(device)).float()
+        probs.append((torch.sigmoid(logits) if multilabel else torch.softmax(logits, dim=1)).cpu().numpy())
+        labels.append(y.numpy())
+    return np.concatenate(labels), np.concatenate(probs)
+
+
+def evaluate(
+    model: nn.Module, images: np.ndarray, labels: np.ndarray, *, device: torch.device, batch_size: int = 256
+) -> dict[str, float | list[float]]:
+    """Metrics of `model` on (images, labels); the label shape says which metric family applies."""
+    multilabel = labels.ndim == 2
+    y_true, probs = predict(model, make_loader(images, labels, batch_size, shuffle=False), device, multilabel)
+    return multilabel_metrics(y_true, probs) if multilabel else single_label_metrics(y_true, probs)

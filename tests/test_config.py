@@ -1,0 +1,59 @@
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedskew.config import ConfigError, RunConfig, generated_files
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_parse_and_round_trip():
+    cfg = RunConfig.from_run_config({})
+    assert RunConfig.from_run_config(cfg.to_run_config()) == cfg
+
+
+def test_pyproject_and_readme_tables_are_generated_from_the_model():
+    stale = [str(p) for p, text in generated_files(ROOT).items() if p.read_text() != text]
+    assert not stale, f"regenerate with `python -m fedskew.config --write`: {stale}"
+    flwr_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+
+    def flatten(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    assert flatten(flwr_config) == RunConfig().to_run_config()
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"alpha": -1}, ["'alpha'", "-1", "greater than 0"]),
+        ({"method": "fedsgd"}, ["'method'", "fedsgd", "fedavg"]),
+        ({"batch-size": 0}, ["'batch-size'", "0", "greater than or equal to 1"]),
+        ({"partition": "dirichlet"}, ["'partition'", "dirichlet", "multilabel-skew"]),
+        ({"mosaic-grid": 0, "method": "fedavg"}, ["'partition'", "multilabel-skew", "iid, dirichlet or classes-per-site"]),
+        ({"mosaic-grid": 0, "partition": "iid"}, ["'method'", "fednca", "multi-label dataset"]),
+        ({"fednca.tau": 0}, ["'fednca.tau'", "0", "greater than 0"]),
+        ({"mosaic-grid": 1}, ["'mosaic-grid'", "0 (off) or 2-4"]),
+        ({"dataset": "imagenet"}, ["'dataset'", "imagenet", "medmnist:<name>"]),
+        ({"no-such-key": 1}, ["unknown key 'no-such-key'", "alpha"]),
+        ({"device": "tpu"}, ["'device'", "tpu", "'auto', 'cpu' or 'cuda'"]),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_valid(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config(overrides)
+    message = str(info.value)
+    assert message.startswith("invalid run config:")
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_single_label_settings_are_accepted():
+    cfg = RunConfig.from_run_config(
+        {"method": "fedavg", "mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
+    )
+    assert not cfg.multilabel and cfg.partition == "classes-per-site"

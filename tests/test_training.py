@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+import torch
+
+from fedskew.models.backbones import Classifier, ResNet18, SmallCNN
+from fedskew.training import evaluate, make_loader, pick_device, sgd, train_local
+
+
+def _separable_data(multilabel: bool, n: int = 64):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, size=n)
+    images = rng.normal(0, 0.1, size=(n, 1, 8, 8)).astype(np.float32)
+    images[labels == 1, :, :4] += 1.0  # class 1 is bright in the top half
+    if multilabel:
+        return images, np.stack([labels, 1 - labels], axis=1).astype(np.float32)
+    return images, labels.astype(np.int64)
+
+
+@pytest.mark.parametrize("multilabel", [False, True])
+def test_local_training_learns_a_separable_task(multilabel):
+    torch.manual_seed(0)
+    images, labels = _separable_data(multilabel)
+    model = Classifier(SmallCNN(1, width=8), 2)
+    device = torch.device("cpu")
+    before = evaluate(model, images, labels, device=device)
+    train_local(model, make_loader(images, labels, 16, shuffle=True), epochs=5, optimizer=sgd(model, 0.05, 0.9, 0), device=device)
+    after = evaluate(model, images, labels, device=device)
+    key = "f1_macro" if multilabel else "accuracy"
+    assert after[key] >= 0.95 and after[key] > before[key]
+
+
+def test_proximal_term_keeps_weights_closer_to_the_global_model():
+    images, labels = _separable_data(False)
+    drift = {}
+    for mu in (0.0, 10.0):
+        torch.manual_seed(0)
+        model = Classifier(SmallCNN(1, width=8), 2)
+        start = [p.detach().clone() for p in model.parameters()]
+        train_local(model, make_loader(images, labels, 16, True), epochs=2, optimizer=sgd(model, 0.05, 0.0, 0),
+                    device=torch.device("cpu"), proximal_mu=mu)
+        drift[mu] = sum(((p - s) ** 2).sum().item() for p, s in zip(model.parameters(), start))
+    assert drift[10.0] < drift[0.0]
+
+
+def test_backbones_expose_a_feature_map():
+    x = torch.randn(2, 3, 16, 16)
+    assert SmallCNN(3).forward_features(x).shape == (2, 64, 8, 8)
+    assert ResNet18(3).forward_features(x).shape == (2, 512, 2, 2)
+
+
+def test_cuda_request_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        pick_device("cuda")
+    assert pick_device("auto").type == "cpu"
+
+
+def test_a_diverging_loss_is_reported_not_trained_on():
+    images, labels = _separable_data(False)
+    model = Classifier(SmallCNN(1, width=8), 2)
+    images[0, 0, 0, 0] = np.nan
+    with pytest.raises(FloatingPointError, match="lower `lr`"):
+        train_local(model, make_loader(images, labels, 64, False), epochs=1, optimizer=sgd(model, 0.05, 0.9, 0),
+                    device=torch.device("cpu"))
