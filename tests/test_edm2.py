@@ -1,0 +1,390 @@
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.models.edm2 import (
+    CPU_PRESET,
+    GPU_PRESET_32PX,
+    Block,
+    GeneratorConfig,
+    Guidance,
+    MPConv,
+    MPFourier,
+    PowerFunctionEMA,
+    augment,
+    build_generator,
+    count_parameters,
+    edm2_loss,
+    ema_gamma,
+    learning_rate,
+    mp_cat,
+    mp_silu,
+    mp_sum,
+    normalize,
+    preconditioning,
+    resample,
+    sample,
+    sigma_steps,
+    train_generator,
+    with_batch_for_class_size,
+)
+from fedskew.models.generator_io import (
+    GeneratorFileError,
+    generator_from_arrays,
+    load_generator,
+    save_generator,
+    state_dict_checksum,
+    state_dict_to_arrays,
+)
+
+TINY = dataclasses.replace(
+    CPU_PRESET,
+    model_channels=8,
+    num_blocks=1,
+    batch_size=16,
+    total_images=16 * 60,
+    t_ref=16 * 20,
+    t_rampup=16 * 5,
+    sigma_rel=0.1,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    # These tensors are tiny: on a shared 2-core machine thread hand-offs cost more than they save.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rms(x: torch.Tensor) -> float:
+    return x.pow(2).mean().sqrt().item()
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def blob_images(n: int, seed: int = 0) -> np.ndarray:
+    """A centred blob with small seeded jitter: an easy 8 px 'class' to learn."""
+    grid = np.linspace(-1, 1, 8)
+    blob = np.exp(-(grid[:, None] ** 2 + grid[None, :] ** 2) / 0.3)
+    jitter = np.random.default_rng(seed).uniform(0.8, 1.0, (n, 1, 1, 1))
+    return (blob[None, None] * jitter).astype(np.float32)
+
+
+# ---- MP primitives ---------------------------------------------------------------------------
+
+
+def test_normalize_scales_every_slice_to_unit_rms():
+    x = torch.randn(5, 3, 4, 4, generator=seeded()) * torch.arange(1, 6).reshape(5, 1, 1, 1)
+    per_sample = normalize(x).pow(2).mean(dim=(1, 2, 3)).sqrt()
+    assert torch.allclose(per_sample, torch.ones(5), atol=1e-3)
+    per_pixel = normalize(x, dim=1).pow(2).mean(dim=1).sqrt()
+    assert torch.allclose(per_pixel, torch.ones(5, 4, 4), atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", [(), (1, 1), (3, 3)])
+def test_mpconv_preserves_unit_magnitude(kernel):
+    conv = MPConv(48, 32, kernel, seeded())
+    x = torch.randn(256, 48, generator=seeded(1)) if kernel == () else torch.randn(32, 48, 8, 8, generator=seeded(1))
+    assert rms(conv(x)) == pytest.approx(1.0, abs=0.1)
+
+
+def test_mp_silu_sum_cat_preserve_unit_magnitude():
+    a = torch.randn(400_000, generator=seeded(1))
+    b = torch.randn(400_000, generator=seeded(2))
+    assert rms(mp_silu(a)) == pytest.approx(1.0, abs=0.01)
+    assert rms(mp_sum(a, b, 0.3)) == pytest.approx(1.0, abs=0.01)
+    wide, narrow = a.reshape(1000, 400), b.reshape(1000, 400)[:, :40]
+    joined = mp_cat(wide, narrow, t=0.5)
+    assert joined.shape == (1000, 440)
+    assert rms(joined) == pytest.approx(1.0, abs=0.01)
+    # Balance t=0.5 gives both inputs equal total energy regardless of width.
+    assert joined[:, :400].pow(2).sum().item() == pytest.approx(joined[:, 400:].pow(2).sum().item(), rel=0.02)
+
+
+def test_mp_fourier_is_seeded_and_unit_magnitude():
+    a, b = MPFourier(256, seeded(3)), MPFourier(256, seeded(3))
+    x = torch.linspace(-3, 3, 100)
+    assert torch.equal(a(x), b(x))
+    assert rms(a(x)) == pytest.approx(1.0, abs=0.1)
+
+
+def test_resample_box_down_and_nearest_up():
+    x = torch.arange(16.0).reshape(1, 1, 4, 4)
+    assert torch.equal(resample(x, "down"), torch.tensor([[[[2.5, 4.5], [10.5, 12.5]]]]))
+    assert torch.equal(resample(resample(x, "down"), "up")[0, 0, :2, :2], torch.full((2, 2), 2.5))
+    with pytest.raises(ValueError, match="resample mode"):
+        resample(x, "sideways")
+
+
+@pytest.mark.parametrize("flavor", ["enc", "dec"])
+@pytest.mark.parametrize("attention", [False, True])
+def test_block_preserves_magnitude_at_init(flavor, attention):
+    block = Block(64, 64, 32, flavor, "keep", attention, 0.0, seeded())
+    out = block(torch.randn(16, 64, 8, 8, generator=seeded(1)), torch.randn(16, 32, generator=seeded(2)))
+    # Attention averages values over positions, so its branch is a little below unit RMS.
+    assert rms(out) == pytest.approx(1.0, abs=0.15 if attention else 0.1)
+
+
+def test_forced_weight_normalisation_restores_unit_rows_after_optimiser_step():
+    conv = MPConv(16, 8, (3, 3), seeded()).train()
+    optimizer = torch.optim.Adam(conv.parameters(), lr=0.5)
+    x = torch.randn(4, 16, 6, 6, generator=seeded(1))
+    conv(x).square().mean().backward()
+    optimizer.step()
+    row_rms = conv.weight.detach().flatten(1).pow(2).mean(dim=1).sqrt()
+    assert not torch.allclose(row_rms, torch.ones(8), atol=1e-2)  # the step did move the norms
+    conv(x)
+    row_rms = conv.weight.detach().flatten(1).pow(2).mean(dim=1).sqrt()
+    assert torch.allclose(row_rms, torch.ones(8), atol=1e-3)
+
+
+def test_eval_forward_leaves_weights_untouched():
+    conv = MPConv(4, 4, (), seeded()).eval()
+    before = conv.weight.detach().clone() * 3
+    with torch.no_grad():
+        conv.weight.copy_(before)
+    conv(torch.randn(2, 4))
+    assert torch.equal(conv.weight.detach(), before)
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+
+def test_gpu_preset_has_the_papers_parameter_count():
+    assert count_parameters(build_generator(GPU_PRESET_32PX, "meta")) == pytest.approx(50.7e6, rel=0.005)
+
+
+def test_resolution_that_does_not_halve_is_refused():
+    with pytest.raises(ValueError, match=r"img_resolution 28 .*4 levels.*multiple of 8.*at most 3 level"):
+        dataclasses.replace(GPU_PRESET_32PX, img_resolution=28)
+    assert dataclasses.replace(GPU_PRESET_32PX, img_resolution=28, channel_mult=(1, 2, 2), attn_resolutions=(14, 7))
+
+
+def test_attention_resolution_must_be_a_level():
+    with pytest.raises(ValueError, match=r"attn_resolutions.*\[12\].*valid values are \[32, 16, 8, 4\]"):
+        dataclasses.replace(GPU_PRESET_32PX, attn_resolutions=(12,))
+
+
+def test_batch_follows_class_size_as_federated_factory_did():
+    small = with_batch_for_class_size(GPU_PRESET_32PX, 1000)
+    assert small.batch_size == 512 and small.t_ref == 35_000 * 512
+    assert with_batch_for_class_size(GPU_PRESET_32PX, 10).batch_size == 32
+    assert with_batch_for_class_size(GPU_PRESET_32PX, 10**6).batch_size == 4096
+
+
+def test_config_round_trips_through_json_and_rejects_unknown_keys():
+    data = json.loads(json.dumps(GPU_PRESET_32PX.to_dict()))
+    assert GeneratorConfig.from_dict(data) == GPU_PRESET_32PX
+    with pytest.raises(ValueError, match="unknown \\['colour'\\]"):
+        GeneratorConfig.from_dict({**data, "colour": 1})
+
+
+# ---- preconditioning, loss, schedule, EMA ----------------------------------------------------
+
+
+def test_preconditioning_coefficients_match_hand_computed_values():
+    c = preconditioning(torch.tensor([0.5, 1.0], dtype=torch.float64))
+    # sigma 0.5: s^2 + sd^2 = 0.5; sigma 1: 1.25
+    assert torch.allclose(c["c_skip"], torch.tensor([0.5, 0.2], dtype=torch.float64))
+    assert torch.allclose(c["c_out"], torch.tensor([0.25 / math.sqrt(0.5), 0.5 / math.sqrt(1.25)], dtype=torch.float64))
+    assert torch.allclose(c["c_in"], torch.tensor([1 / math.sqrt(0.5), 1 / math.sqrt(1.25)], dtype=torch.float64))
+    assert torch.allclose(c["c_noise"], torch.tensor([math.log(0.5) / 4, 0.0], dtype=torch.float64))
+
+
+def test_denoiser_at_init_is_the_skip_path():
+    # out_gain starts at 0, so F = 0 and D(x; s) = c_skip x exactly.
+    net = build_generator(TINY).eval()
+    x = torch.randn(3, 1, 8, 8, generator=seeded())
+    sigma = torch.tensor([0.1, 1.0, 10.0])
+    expected = x * (0.25 / (sigma**2 + 0.25)).reshape(-1, 1, 1, 1)
+    assert torch.allclose(net(x, sigma), expected, atol=1e-6)
+
+
+def test_learning_rate_ramps_up_then_decays_as_inverse_sqrt():
+    assert learning_rate(50, 0.01, t_ref=400, t_rampup=100) == pytest.approx(0.005)
+    assert learning_rate(400, 0.01, t_ref=400, t_rampup=100) == pytest.approx(0.01)
+    assert learning_rate(1600, 0.01, t_ref=400, t_rampup=100) == pytest.approx(0.005)
+
+
+def test_ema_gamma_matches_published_values():
+    assert ema_gamma(0.05) == pytest.approx(16.97, abs=0.01)
+    assert ema_gamma(0.10) == pytest.approx(6.94, abs=0.01)
+
+
+def test_power_function_ema_update():
+    net = torch.nn.Linear(2, 1)
+    ema = PowerFunctionEMA(net, sigma_rel=0.1)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    ema.update(net, images_seen=10, batch_size=10)  # beta = 0: the first update copies the net
+    assert torch.equal(ema.model.weight, net.weight.detach())
+    with torch.no_grad():
+        net.weight.fill_(3.0)
+    ema.update(net, images_seen=20, batch_size=10)
+    beta = 0.5 ** (ema_gamma(0.1) + 1)
+    assert torch.allclose(ema.model.weight, torch.full((1, 2), beta * 1 + (1 - beta) * 3))
+
+
+def test_training_steps_lower_the_loss():
+    images = blob_images(32)
+    batch = torch.from_numpy(np.repeat(images, 8, axis=0)) * 2 - 1
+
+    def fixed_loss(net):
+        with torch.no_grad():
+            return edm2_loss(net.eval(), batch, None, TINY.P_mean, TINY.P_std, seeded(7)).item()
+
+    before = fixed_loss(build_generator(TINY))
+    model, stats = train_generator(images, None, TINY, progress=None, device=torch.device("cpu"))
+    assert stats.steps == 60 and stats.images_seen == 960 and len(stats.loss_curve) == 60
+    assert stats.images_per_s > 0 and stats.wall_time_s > 0
+    assert fixed_loss(model) < 0.5 * before
+
+
+def test_training_is_seeded_and_progress_is_reported():
+    config = dataclasses.replace(TINY, total_images=32, dropout=0.2, augment_flip=True)
+    images = blob_images(20)
+    calls = []
+    first, _ = train_generator(images, None, config, progress=lambda *a: calls.append(a), device=torch.device("cpu"))
+    second, _ = train_generator(images, None, config, progress=None, device=torch.device("cpu"))
+    assert [c[:2] for c in calls] == [(1, 2), (2, 2)]
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_training_input_is_validated():
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        train_generator(blob_images(4) * 2, None, TINY, progress=None)
+    with pytest.raises(ValueError, match="shape"):
+        train_generator(np.zeros((4, 3, 8, 8), np.float32), None, TINY, progress=None)
+    with pytest.raises(ValueError, match="unconditional"):
+        train_generator(blob_images(4), np.zeros(4, np.int64), TINY, progress=None)
+
+
+def test_augment_produces_rotations_and_flips_of_each_image():
+    image = torch.arange(16.0).reshape(1, 1, 4, 4)
+    out = augment(image.repeat(64, 1, 1, 1), flip=True, rot90=True, rng=np.random.default_rng(0))
+    variants = [torch.rot90(im, k, dims=(2, 3)) for im in (image, image.flip(3)) for k in range(4)]
+    matches = [[torch.equal(o[None], v) for v in variants].index(True) for o in out]
+    assert len(set(matches)) == 8  # all eight dihedral variants occur
+
+
+# ---- sampler ---------------------------------------------------------------------------------
+
+
+def test_sigma_schedule_endpoints():
+    sigmas = sigma_steps(32)
+    assert len(sigmas) == 33
+    assert sigmas[0].item() == pytest.approx(80.0)
+    assert sigmas[31].item() == pytest.approx(0.002)
+    assert sigmas[32].item() == 0.0
+    assert bool((sigmas[1:] < sigmas[:-1]).all())
+    with pytest.raises(ValueError, match="steps"):
+        sigma_steps(1)
+
+
+class CountingNet(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.config, self.calls = net, net.config, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.net(*args, **kwargs)
+
+
+def test_heun_uses_2n_minus_1_evaluations_per_batch_also_with_guidance():
+    net = CountingNet(build_generator(TINY))
+    guide = CountingNet(build_generator(dataclasses.replace(TINY, seed=1)))
+    sample(net, 6, steps=5, batch_size=3, guidance=Guidance(guide, 2.0))
+    assert net.calls == 2 * 9 and guide.calls == 2 * 9
+
+
+def test_sample_is_seeded_in_range_and_independent_of_batch_size():
+    net = build_generator(TINY)
+    with torch.no_grad():
+        net.unet.out_gain.fill_(1.0)  # a non-trivial denoiser
+    a = sample(net, 5, steps=4, seed=3, batch_size=5)
+    b = sample(net, 5, steps=4, seed=3, batch_size=2)
+    c = sample(net, 5, steps=4, seed=4, batch_size=5)
+    assert a.shape == (5, 1, 8, 8) and a.dtype == np.float32
+    assert a.min() >= 0 and a.max() <= 1
+    assert np.allclose(a, b, atol=1e-5)
+    assert not np.allclose(a, c)
+
+
+def test_conditional_generator_trains_and_samples_requested_classes():
+    config = dataclasses.replace(TINY, label_dim=3, total_images=32)
+    images = blob_images(12)
+    model, _ = train_generator(images, np.arange(12) % 3, config, progress=None, device=torch.device("cpu"))
+    assert sample(model, 4, labels=np.array([0, 1, 2, 0]), steps=3).shape == (4, 1, 8, 8)
+    assert sample(model, 2, labels=1, steps=3).shape == (2, 1, 8, 8)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        sample(model, 2, labels=3, steps=3)
+    with pytest.raises(ValueError, match="conditional"):
+        sample(model, 2, labels=None, steps=3)
+
+
+# ---- save / load -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_generator(tmp_path):
+    net = build_generator(TINY)
+    with torch.no_grad():
+        net.unet.out_gain.fill_(1.0)
+    stem = tmp_path / "gen"
+    save_generator(net, TINY, stem, extra_meta={"class_id": 3, "num_images": 17})
+    return net, stem
+
+
+def test_save_then_load_gives_identical_samples(saved_generator):
+    net, stem = saved_generator
+    loaded, extra = load_generator(stem, torch.device("cpu"))
+    assert extra == {"class_id": 3, "num_images": 17}
+    assert loaded.config == TINY
+    assert np.array_equal(sample(net, 4, steps=4, seed=9), sample(loaded, 4, steps=4, seed=9))
+
+
+def test_flipped_byte_in_weights_is_refused(saved_generator):
+    _, stem = saved_generator
+    weights = stem.with_name("gen.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(GeneratorFileError, match="sha256.*altered"):
+        load_generator(stem, torch.device("cpu"))
+
+
+def test_changed_config_is_refused(saved_generator):
+    _, stem = saved_generator
+    meta_path = stem.with_name("gen.json")
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["model_channels"] = 16
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(GeneratorFileError, match="has shape .* the config's model needs"):
+        load_generator(stem, torch.device("cpu"))
+    meta["config"]["img_resolution"] = 7
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(GeneratorFileError, match="invalid generator config.*img_resolution 7"):
+        load_generator(stem, torch.device("cpu"))
+
+
+def test_arrays_round_trip_with_checksum_and_tampering_is_refused():
+    net = build_generator(TINY)
+    arrays = state_dict_to_arrays(net)
+    checksum = state_dict_checksum(arrays)
+    assert checksum == state_dict_checksum(dict(reversed(list(arrays.items()))))  # order-independent
+    rebuilt = generator_from_arrays(TINY, arrays, checksum)
+    assert state_dict_checksum(rebuilt.state_dict()) == checksum
+    name = next(iter(arrays))
+    tampered = {**arrays, name: arrays[name] + 1e-3}
+    with pytest.raises(GeneratorFileError, match="checksum mismatch"):
+        generator_from_arrays(TINY, tampered, checksum)
