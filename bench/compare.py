@@ -5,7 +5,8 @@
         --seeds 0,1,2 --num-sites 10 --out bench/results/NAME
 
 Writes NAME/results.json ({method: {metric: [one value per seed]}}), NAME/results.md (mean ±
-sd per metric), NAME/per_class.png, and every run's own results under NAME/runs/. Also times
+sd per metric), NAME/per_class.png, NAME/overhead.json, and every run's own results under
+NAME/runs/. Also times
 one federated round against the same local training in a plain PyTorch loop (the framework's
 overhead), measured in the same process and machine, back to back.
 """
@@ -28,10 +29,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedskew.config import RunConfig  # noqa: E402
-from fedskew.data.sites import simulated_site  # noqa: E402
+from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
+from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
 from fedskew.launch import SimulationSuperLink  # noqa: E402
-from fedskew.client_tasks import train_site  # noqa: E402
 from fedskew.models.build import build_model  # noqa: E402
+from fedskew.training import evaluate, pick_device  # noqa: E402
 
 SCALARS = {
     True: ("f1_macro", "f1_micro", "auc_macro", "auc_micro", "map"),
@@ -49,21 +51,25 @@ def parse_run_config(text: str) -> dict:
     return {key: tomllib.loads(f"v = {value}")["v"] for key, value in pairs}
 
 
-def run_dir(results_dir: Path) -> Path:
-    dirs = sorted(p for p in results_dir.iterdir() if p.is_dir())
-    if not dirs:
-        raise RuntimeError(f"the run wrote no results under {results_dir}")
-    return dirs[-1]
-
-
 def plain_pytorch_round_seconds(cfg: RunConfig, num_sites: int) -> float:
-    """The local training of one round, every site in turn, in a plain loop without Flower."""
-    site0 = simulated_site(cfg, 0, num_sites)
+    """One FedAvg round's work without Flower: every site trains and validates in turn, the
+    weights are averaged, and the global model is evaluated on the test split. One torch
+    thread, as each Ray worker gets (client-resources-num-cpus=1)."""
+    torch.set_num_threads(1)
+    sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+    test = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
-    state = build_model(cfg, site0.num_classes, site0.train_images.shape[1:]).state_dict()
+    model = build_model(cfg, sites[0].num_classes, sites[0].train_images.shape[1:])
+    state = model.state_dict()
     start = time.perf_counter()
-    for k in range(num_sites):
-        train_site(cfg, simulated_site(cfg, k, num_sites), state, server_round=1)
+    updates = [train_site(cfg, site, state, server_round=1) for site in sites]
+    weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
+    averaged = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
+                for k in state}
+    for site in sites:
+        evaluate_site(cfg, site, averaged)
+    model.load_state_dict(averaged)
+    evaluate(model, test.test_images, test.test_labels, device=pick_device(cfg.device))
     return time.perf_counter() - start
 
 
@@ -79,17 +85,85 @@ def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[st
     methods = list(per_class)
     width = 0.8 / max(len(methods), 1)
     x = np.arange(len(class_names))
-    fig, ax = plt.subplots(figsize=(max(6, len(class_names) * 0.9), 3.8))
+    fig, ax = plt.subplots(figsize=(max(6, len(class_names) * 0.9), 4.4))
     for i, method in enumerate(methods):
         values = np.nanmean(np.array(per_class[method], dtype=float), axis=0)
         ax.bar(x + i * width - 0.4 + width / 2, values, width, label=method)
     ax.set_xticks(x, class_names)
-    ax.set(ylabel=f"{key} (mean over seeds)", ylim=(0, 1), title=key.replace("_", " "))
-    ax.legend(ncol=len(methods), fontsize=8)
+    ax.set(xlabel="class", ylabel=f"{key} (mean over seeds)", ylim=(0, 1), title=key.replace("_", " "))
+    ax.legend(ncol=min(len(methods), 4), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def completed_run(results_dir: Path) -> Path | None:
+    """The run directory under `results_dir` if it holds a completed run (reused on a re-invocation)."""
+    if not results_dir.is_dir():
+        return None
+    for path in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        summary = path / "summary.json"
+        if summary.is_file() and json.loads(summary.read_text())["status"] == "completed":
+            return path
+    return None
+
+
+def collect(runs: dict[tuple[str, int], Path]):
+    """Per-row metric lists (one value per seed) and per-class values from completed runs."""
+    results: dict[str, dict[str, list]] = {}
+    per_class: dict[str, list[list[float]]] = {}
+    class_names, multilabel = [], False
+    for (name, _seed), path in runs.items():
+        summary = json.loads((path / "summary.json").read_text())
+        rounds = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        multilabel = "f1_macro" in summary["final"]
+        class_names = json.loads((path / "partition.json").read_text())["class-names"]
+        record = results.setdefault(name, {})
+        for key in SCALARS[multilabel]:
+            record.setdefault(key, []).append(summary["final"][key])
+            record.setdefault(f"best_{key}", []).append(summary["best"][key])
+        record.setdefault("wall_seconds", []).append(summary["wall_seconds"])
+        record.setdefault("round_seconds", []).append(statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0))
+        record.setdefault("bytes_total", []).append(summary["bytes"]["sent_total"] + summary["bytes"]["received_total"])
+        per_class.setdefault(name, []).append(summary["final"][PER_CLASS[multilabel]])
+    return results, per_class, class_names, multilabel
+
+
+def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str:
+    """results.json / results.md / per_class.png from every completed run so far."""
+    results, per_class, class_names, multilabel = collect(runs)
+    keys = list(SCALARS[multilabel]) + ["wall_seconds", "round_seconds", "bytes_total"]
+    if "fedavg" in results:
+        keys.append("round_time_vs_fedavg")
+        fedavg_round = statistics.mean(results["fedavg"]["round_seconds"])
+        for record in results.values():
+            record["round_time_vs_fedavg"] = [statistics.mean(record["round_seconds"]) / fedavg_round]
+    seeds_done = sorted({seed for _, seed in runs})
+    lines = [
+        f"Command: `python -m bench.compare --methods {args.methods} --run-config \"{args.run_config}\" "
+        + "".join(f"--method-config '{s}' " for s in args.method_config)
+        + f"--seeds {args.seeds} "
+        + (f"--variant-seeds {args.variant_seeds} " if args.variant_seeds else "")
+        + f"--num-sites {args.num_sites} --out {args.out}`",
+        "",
+        f"Final-round test metrics, mean ± sd over the seeds completed ({', '.join(map(str, seeds_done))}; n per row in "
+        "the last column):",
+        "",
+        "| method | " + " | ".join(keys) + " | n |",
+        "|---" * (len(keys) + 2) + "|",
+    ]
+    for name, record in results.items():
+        lines.append(f"| {name} | " + " | ".join(summarise(record[k]) for k in keys) + f" | {len(record['wall_seconds'])} |")
+    if overhead:
+        lines += ["", f"Framework overhead: one FedAvg round took {overhead['flower_round_seconds']:.2f} s in Flower "
+                      f"(sites in parallel Ray workers) vs {overhead['plain_pytorch_round_seconds']:.2f} s for the same "
+                      "work (every site trains and validates, weights averaged, test evaluation) in a plain PyTorch "
+                      f"loop in one process (ratio {overhead['ratio']:.2f}x)."]
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    plot_per_class(per_class, class_names, PER_CLASS[multilabel], args.out / "per_class.png")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,79 +173,60 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method-config", action="append", default=[], metavar="NAME:METHOD:OVERRIDES",
                         help="an extra row: a named variant of a method, e.g. 'no-ladm:fednca:fednca.ladm=false'")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--variant-seeds", default=None,
+                        help="seeds for the --method-config rows (default: --seeds); they run after every main row")
     parser.add_argument("--num-sites", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
     args = parser.parse_args(argv)
 
     shared = parse_run_config(args.run_config)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    variant_seeds = [int(s) for s in (args.variant_seeds or args.seeds).split(",")]
     rows = {m: (m, {}) for m in args.methods.split(",") if m}
+    main_rows = list(rows)
     for spec in args.method_config:
         name, method, overrides = spec.split(":", 2)
         rows[name] = (method, parse_run_config(overrides))
-    seeds = [int(s) for s in args.seeds.split(",")]
+    variant_rows = [name for name in rows if name not in main_rows]
+    # Main rows first, seeds outermost, then the variants: an interrupted comparison still has
+    # every main row for the seeds it finished.
+    order = [(n, seed) for seed in seeds for n in main_rows] + [(n, seed) for seed in variant_seeds for n in variant_rows]
     args.out.mkdir(parents=True, exist_ok=True)
+    configs = {
+        (name, seed): {**shared, **rows[name][1], "method": rows[name][0], "seed": seed,
+                       "results-dir": str((args.out / "runs" / f"{name}-seed{seed}").resolve())}
+        for name, seed in order
+    }
+    for run_config in configs.values():
+        RunConfig.from_run_config(run_config)  # fail fast, before any simulation starts
 
-    results: dict[str, dict[str, list]] = {}
-    per_class: dict[str, list[list[float]]] = {}
-    class_names: list[str] = []
-    multilabel = False
-    with SimulationSuperLink(args.out / "runs" / "flwr-home") as superlink:
-        for name, (method, overrides) in rows.items():
-            for seed in seeds:
-                run_config = {**shared, **overrides, "method": method, "seed": seed,
-                              "results-dir": str((args.out / "runs" / f"{name}-seed{seed}").resolve())}
-                RunConfig.from_run_config(run_config)  # fail fast, before any simulation starts
+    # Completed runs found under --out are reused, so re-running the command resumes it.
+    runs: dict[tuple[str, int], Path] = {}
+    with SimulationSuperLink() as superlink:  # its FLWR_HOME in a temp dir: never inside the app (the FAB)
+        for (name, seed), run_config in configs.items():
+            done = completed_run(Path(run_config["results-dir"]))
+            if done is None:
                 print(f"== {name} seed {seed}", flush=True)
                 outcome = superlink.run_app(run_config, args.num_sites, timeout=args.timeout)
                 if not outcome.completed:
                     raise SystemExit(f"{name} seed {seed} ended {outcome.status}:\n{outcome.output[-3000:]}")
-                path = run_dir(Path(run_config["results-dir"]))
-                summary = json.loads((path / "summary.json").read_text())
-                rounds = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-                multilabel = "f1_macro" in summary["final"]
-                class_names = json.loads((path / "partition.json").read_text())["class-names"]
-                record = results.setdefault(name, {})
-                for key in SCALARS[multilabel]:
-                    record.setdefault(key, []).append(summary["final"][key])
-                    record.setdefault(f"best_{key}", []).append(summary["best"][key])
-                record.setdefault("wall_seconds", []).append(summary["wall_seconds"])
-                record.setdefault("round_seconds", []).append(
-                    statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0)
-                )
-                record.setdefault("bytes_total", []).append(
-                    summary["bytes"]["sent_total"] + summary["bytes"]["received_total"]
-                )
-                per_class.setdefault(name, []).append(summary["final"][PER_CLASS[multilabel]])
+                done = completed_run(Path(run_config["results-dir"]))
+            else:
+                print(f"== {name} seed {seed}: reusing {done}", flush=True)
+            runs[(name, seed)] = done
+            write_report(args, runs, {})
 
     overhead = {}
-    if "fedavg" in results:
+    if "fedavg" in rows:
+        fedavg_runs = [path for (name, _), path in runs.items() if name == "fedavg"]
+        rounds = [json.loads(line) for line in (fedavg_runs[0] / "metrics.jsonl").read_text().splitlines()]
+        flower = statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0)
         cfg = RunConfig.from_run_config({**shared, "method": "fedavg", "seed": seeds[0]})
         plain = plain_pytorch_round_seconds(cfg, args.num_sites)
-        flower = results["fedavg"]["round_seconds"][0]
         overhead = {"flower_round_seconds": flower, "plain_pytorch_round_seconds": plain, "ratio": flower / plain}
-
-    (args.out / "results.json").write_text(json.dumps({"methods": results, "overhead": overhead}, indent=2))
-    keys = [k for k in SCALARS[multilabel]] + ["wall_seconds", "round_seconds", "bytes_total"]
-    lines = [
-        f"Command: `python -m bench.compare --methods {args.methods} --run-config \"{args.run_config}\" "
-        + "".join(f"--method-config '{s}' " for s in args.method_config)
-        + f"--seeds {args.seeds} --num-sites {args.num_sites} --out {args.out}`",
-        "",
-        f"Final-round test metrics, mean ± sd over seeds {args.seeds}:",
-        "",
-        "| method | " + " | ".join(keys) + " |",
-        "|---" * (len(keys) + 1) + "|",
-    ]
-    for name, record in results.items():
-        lines.append(f"| {name} | " + " | ".join(summarise(record[k]) for k in keys) + " |")
-    if overhead:
-        lines += ["", f"Framework overhead: one FedAvg round took {overhead['flower_round_seconds']:.2f} s in Flower "
-                      f"vs {overhead['plain_pytorch_round_seconds']:.2f} s for the same local training in a plain "
-                      f"PyTorch loop (ratio {overhead['ratio']:.2f}x)."]
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    plot_per_class(per_class, class_names, PER_CLASS[multilabel], args.out / "per_class.png")
-    print("\n".join(lines))
+        (args.out / "overhead.json").write_text(json.dumps(overhead, indent=2))
+    print(write_report(args, runs, overhead))
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
 from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_site
 from fedskew.config import RunConfig
+from fedskew.factory.site import MemorizationRefusal
+from fedskew.strategies.factory import site_expert, site_upload
 from fedskew.strategies.fednca import ETF_KEY
+from fedskew.training import pick_device
 
 app = ClientApp()
 
@@ -48,3 +52,21 @@ def evaluate(msg: Message, context: Context) -> Message:
     site = load_site(cfg, context.node_config)
     metrics = evaluate_site(cfg, site, msg.content["arrays"].to_torch_state_dict(), etf=received_etf_array(msg))
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.train("factory")
+def factory_upload(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    try:
+        return Message(site_upload(cfg, site, pick_device(cfg.device)), reply_to=msg)
+    except MemorizationRefusal as refusal:
+        # A deliberate refusal, not a crash: the server records the reason and goes on without this site.
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(refusal)), reply_to=msg)
+
+
+@app.train("p2p")
+def factory_p2p(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    return Message(site_expert(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)

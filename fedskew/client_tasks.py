@@ -11,17 +11,22 @@ from torch import nn
 
 from fedskew.config import RunConfig
 from fedskew.data.partition import label_cooccurrence, label_counts
+from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
 from fedskew.data.sites import SiteData, load_partition, simulated_site
 from fedskew.models.build import build_model
-from fedskew.models.fednca import check_simplex_etf, fednca_loss, fednca_optimizer
+from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
 from fedskew.training import classification_loss, evaluate, make_loader, pick_device, sgd, train_local
 
 
 def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
-    """The site's own data: its simulated partition share (partition-id / num-partitions)."""
+    """The site's own data: its folder (node config data-dir) or its simulated partition share
+    (partition-id / num-partitions)."""
+    if DATA_DIR_KEY in node_config:
+        return deployed_site(cfg, node_config)
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise ValueError(
-            "this SuperNode has no data: give it --node-config \"partition-id=K num-partitions=N\" "
+            "this SuperNode has no data: give it --node-config \"data-dir='/path/to/site'\" (deployment) or "
+            "\"partition-id=K num-partitions=N\" (simulation) "
             f"(node config seen: {dict(node_config)})"
         )
     return simulated_site(cfg, int(node_config["partition-id"]), int(node_config["num-partitions"]))
@@ -36,7 +41,11 @@ def site_survey(cfg: RunConfig, site: SiteData) -> dict:
         "train-size": len(site.train_labels),
         "val-size": len(site.val_labels),
         "label-counts": label_counts(site.train_labels, [all_idx], site.num_classes)[0].tolist(),
-        "unassigned": int(len(load_partition(cfg, site.num_sites).unassigned)),
+        # A deployed site has no simulated partition (and may not hold the dataset it was drawn from).
+        "unassigned": 0 if isinstance(site, DeployedSite) else int(len(load_partition(cfg, site.num_sites).unassigned)),
+        # What the server needs to build the model when it holds no test data (test-data = "federated").
+        "num-classes": site.num_classes,
+        "image-shape": list(site.train_images.shape[1:]),
     }
     if site.multilabel:
         survey["cooccurrence"] = label_cooccurrence(site.train_labels, all_idx).ravel().tolist()
@@ -121,6 +130,9 @@ def train_site(
         "num-examples": stats["num_examples"],
         "unit-weight": 1,
     }
+    if etf is not None:
+        # Lets the server confirm that every site trained against the exact ETF it holds.
+        metrics["etf-crc32"] = etf_fingerprint(etf)
     return {k: v.cpu() for k, v in model.state_dict().items()}, metrics
 
 

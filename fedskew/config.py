@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MULTILABEL_METHODS: tuple[str, ...] = ("fednca",)
+SINGLE_LABEL_METHODS: tuple[str, ...] = ("factory", "factory-p2p")
 
 
 class ConfigError(ValueError):
@@ -46,16 +47,75 @@ class FedNCASection(_Section):
     contrastive_weight: float = Field(1.0, ge=0, le=100, description="Weight of the positive-feature contrastive loss.")
     margin: float = Field(0.3, ge=0, le=1, description="Rejection margin on sigmoid(max class-feature logit).")
     tau: float = Field(0.07, gt=0, le=10, description="Contrastive temperature.")
-    lr: float = Field(1e-3, gt=0, le=1, description="Local AdamW learning rate (the paper: 1e-4 with ResNet-18 at 224 px).")
+    lr: float = Field(3e-3, gt=0, le=1, description="Local AdamW learning rate (the paper: 1e-4 with ResNet-18 at 224 px).")
     beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2 (beta1 is 0.9).")
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (not on biases, norms, scale).")
     warmup_fraction: float = Field(0.1, ge=0, lt=1, description="Share of all local steps spent in linear warm-up.")
 
 
+class FactorySection(_Section):
+    """FederatedFactory settings (spec: one upload of generators per site, a classifier trained on their
+    synthetic data; P2P: site experts combined as a Product of Experts)."""
+
+    conditional: bool = Field(
+        False, description="One class-conditional generator per site instead of one unconditional generator per "
+        "(site, class) (the paper's choice)."
+    )
+    generator: Literal["cpu", "gpu-32px"] = Field(
+        "cpu", description="EDM2 preset: `cpu` (16 channels, 2 levels) or the paper's `gpu-32px` (128 channels, "
+        "4 levels, ~50 M parameters; needs images whose side halves 3 times, e.g. image-size 32)."
+    )
+    generator_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Training steps per generator (0 = the preset's: cpu 400, gpu-32px "
+        "6104 = 25 M images at batch 4096); the lr schedule is scaled to the run length."
+    )
+    min_class_images: int = Field(
+        10, ge=1, le=1_000_000, description="A site trains a generator only for classes it holds at least this many "
+        "training images of (a generator of a handful of images reproduces them)."
+    )
+    augment: Literal["none", "flip", "flip-rot90"] = Field(
+        "none", description="Augmentation for generators and classifiers (classifiers also shift by up to 1/8 of the "
+        "side): `flip` for natural images, `flip-rot90` for orientation-free tiles; `none` for digits."
+    )
+    audit_samples: int = Field(
+        64, ge=1, le=100_000, description="Samples per class drawn for the site's memorisation audit."
+    )
+    max_memorization: float = Field(
+        0.0, ge=0, le=1, description="Refuse to upload when a generator's audit share (samples closer to a training "
+        "image than 1/3 of their distance to the nearest held-out image) exceeds this (0 = off)."
+    )
+    sampler_steps: int = Field(16, ge=2, le=1000, description="Deterministic Heun sampler steps (the paper: 50).")
+    sample_batch_size: int = Field(256, ge=1, le=65536, description="Images per sampler batch.")
+    samples_per_class: int = Field(
+        500, ge=1, le=1_000_000, description="Synthetic images per class on the server (the paper: 10000); a class "
+        "held by several sites is split in proportion to their image counts."
+    )
+    p2p_samples_per_class: int = Field(
+        0, ge=0, le=1_000_000, description="P2P: synthetic images per class a site lacks (0 = the mean number of "
+        "real images per class the site holds)."
+    )
+    classifier: Literal["small-cnn", "resnet18", "resnet50"] = Field(
+        "resnet18", description="Classifier trained on synthetic data (ResNets with the small-image stem below "
+        "96 px; the paper: resnet50)."
+    )
+    classifier_epochs: int = Field(8, ge=1, le=10_000, description="Classifier epochs (the paper: 300).")
+    classifier_lr: float = Field(0.05, gt=0, le=10, description="Classifier SGD learning rate, cosine-decayed to 0.")
+    classifier_batch_size: int = Field(64, ge=1, le=65536, description="Classifier mini-batch size.")
+    classifier_momentum: float = Field(0.9, ge=0, lt=1, description="Classifier SGD momentum.")
+    classifier_weight_decay: float = Field(1e-4, ge=0, le=1, description="Classifier SGD weight decay.")
+    classifier_val_fraction: float = Field(
+        0.1, gt=0, lt=0.5, description="Share of the server's synthetic set held out to pick the best epoch."
+    )
+    p2p_val_fraction: float = Field(
+        0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."
+    )
+
+
 class RunConfig(_Section):
-    method: Literal["fednca", "fedavg", "fedprox", "centralized"] = Field(
+    method: Literal["fednca", "fedavg", "fedprox", "centralized", "factory", "factory-p2p"] = Field(
         "fednca",
-        description="Training method: FedNCA-ML, FedAvg, FedProx, or the centralised pooled-data upper bound.",
+        description="Training method: FedNCA-ML, FedAvg, FedProx, the centralised pooled-data upper bound, or "
+        "FederatedFactory (one-shot generators; `factory-p2p`: site experts as a Product of Experts).",
     )
     dataset: str = Field(
         "digits",
@@ -63,6 +123,14 @@ class RunConfig(_Section):
         "`npz:<path>` (MedMNIST npz layout) or `cifar10`.",
     )
     data_root: str = Field("data", description="Folder holding downloaded/placed dataset files.")
+    num_classes: int = Field(
+        0, ge=0, le=100000, description="Classes in the label space (0 = from the dataset, or a deployed site's "
+        "classes.txt). Deployed sites without classes.txt need it; sites and server must agree."
+    )
+    test_data: str = Field(
+        "", description="Server test set: empty = the dataset's test split; a path to a site-layout folder or a "
+        "MedMNIST-layout npz; `federated` = none, the sites' validation metrics weighted by examples."
+    )
     allow_download: bool = Field(
         False, description="Download MedMNIST/CIFAR-10 files into `data-root` when they are missing."
     )
@@ -82,8 +150,8 @@ class RunConfig(_Section):
     missing_classes: int = Field(3, ge=0, description="Labels absent at each site for `multilabel-skew`.")
     min_site_size: int = Field(10, ge=1, description="Smallest allowed site training set (partitions are redrawn).")
     val_fraction: float = Field(0.1, ge=0, lt=0.5, description="Share of each site's data kept for local validation.")
-    num_server_rounds: int = Field(8, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
-    local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round at each site.")
+    num_server_rounds: int = Field(20, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
+    local_epochs: int = Field(3, ge=1, le=1000, description="Local epochs per round at each site.")
     batch_size: int = Field(32, ge=1, le=65536, description="Local mini-batch size.")
     lr: float = Field(0.05, gt=0, le=10, description="Local SGD learning rate (FedAvg, FedProx, centralised).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum.")
@@ -99,8 +167,13 @@ class RunConfig(_Section):
     round_timeout: float = Field(3600.0, gt=0, description="Seconds to wait for site replies in each round.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data split, partition, model init and training.")
     results_dir: str = Field("results", description="Where each run writes `<time>-<method>-<dataset>/`.")
+    resume_from: str = Field(
+        "", description="A previous run's results directory: continue after its last completed round, with the "
+        "same partition and ETF (settings that shape the data or model must match)."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device (auto = CUDA when present).")
     fednca: FedNCASection = Field(default_factory=FedNCASection)
+    factory: FactorySection = Field(default_factory=FactorySection)
 
     @field_validator("dataset")
     @classmethod
@@ -121,6 +194,11 @@ class RunConfig(_Section):
         if self.method in MULTILABEL_METHODS and not multilabel:
             raise _field_error(
                 "method", self.method, "a multi-label dataset: set mosaic-grid to 2-4 or use a multi-label source"
+            )
+        if self.method in SINGLE_LABEL_METHODS and multilabel:
+            raise _field_error(
+                "method", self.method, "single-label data (mosaic-grid = 0 and a single-label dataset): "
+                "FederatedFactory's generators and classifier model one class per image"
             )
         if self.partition == "multilabel-skew" and not multilabel:
             raise _field_error(

@@ -22,10 +22,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fedskew.config import RunConfig  # noqa: E402
 from fedskew.metrics import headline_metric  # noqa: E402
+
+CHECKPOINT = "model.safetensors"
+# Settings that shape the data, the partition, the model or the ETF: a resumed run must share them.
+RESUME_MUST_MATCH = (
+    "method", "dataset", "image-size", "mosaic-grid", "partition", "alpha", "classes-per-site", "missing-classes",
+    "min-site-size", "val-fraction", "model", "seed", "num-classes", "fednca.ladm", "fednca.learnable-queries",
+    "fednca.projection-dim", "fednca.heads",
+)
 
 # Metrics shown in the per-round log line and the curves, by label kind.
 HEADLINE = {True: ("f1_macro", "auc_macro", "map"), False: ("accuracy", "balanced_accuracy", "auroc_macro")}
@@ -145,10 +153,33 @@ class RunRecorder:
         return write_json(self.path / "summary.json", summary)
 
     # --- artefacts -------------------------------------------------------------------------
-    def save_checkpoint(self, state_dict: dict[str, torch.Tensor], name: str = "model.safetensors") -> Path:
-        path = self.path / name
-        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(path))
+    def save_checkpoint(self, state_dict: dict[str, torch.Tensor], server_round: int | None = None) -> Path:
+        """The global model, written atomically (a crash never leaves half a file); with the round
+        it completes, also the marker `resume-from` continues after."""
+        path = self.path / CHECKPOINT
+        partial = path.with_suffix(".partial")
+        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(partial))
+        partial.replace(path)
+        if server_round is not None:
+            write_json(self.path / "checkpoint.json", {"round": server_round, "model": CHECKPOINT})
         return path
+
+    def continue_from(self, previous: Path) -> tuple[int, dict[str, torch.Tensor]]:
+        """Adopt a previous run's completed rounds and return (last round, its global model)."""
+        marker = previous / "checkpoint.json"
+        if not marker.is_file():
+            raise FileNotFoundError(
+                f"resume-from: {previous} has no checkpoint.json; valid: a results directory of a run that "
+                "completed at least one round"
+            )
+        last = json.loads(marker.read_text())["round"]
+        state = load_file(str(previous / CHECKPOINT))
+        lines = [json.loads(line) for line in (previous / "metrics.jsonl").read_text().splitlines()]
+        self.rounds = [r for r in lines if r["round"] <= last]
+        with (self.path / "metrics.jsonl").open("w") as fh:
+            fh.writelines(json.dumps(_json_safe(r)) + "\n" for r in self.rounds)
+        self.extra["resumed_from"] = {"run": str(previous), "round": last}
+        return last, state
 
     def plot_curves(self) -> Path:
         rounds = [r["round"] for r in self.rounds]

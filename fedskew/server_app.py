@@ -7,11 +7,20 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import RunConfig
-from fedskew.data.sites import load_task_dataset
 from fedskew.models.build import build_model, server_etf
 from fedskew.results import RunRecorder
-from fedskew.server_tasks import make_evaluate_fn, survey_sites, train_centralized, wait_for_sites, write_partition
+from fedskew.server_tasks import (
+    agreed_task_shape,
+    load_server_test_set,
+    make_evaluate_fn,
+    resume_point,
+    survey_sites,
+    train_centralized,
+    wait_for_sites,
+    write_partition,
+)
 from fedskew.strategies import build_strategy
+from fedskew.strategies.factory import run_factory
 from fedskew.training import pick_device
 
 app = ServerApp()
@@ -21,30 +30,42 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_run_config(context.run_config)
     device = pick_device(cfg.device)
-    dataset = load_task_dataset(cfg)
-    recorder = RunRecorder.create(cfg, multilabel=dataset.multilabel)
-    print(f"fedskew: {cfg.method} on {dataset.name}, results in {recorder.path}", flush=True)
+    recorder = RunRecorder.create(cfg, multilabel=cfg.multilabel)
+    print(f"fedskew: {cfg.method} on {cfg.dataset}, results in {recorder.path}", flush=True)
     try:
+        test = load_server_test_set(cfg)
         node_ids = wait_for_sites(grid, cfg.min_available_sites, cfg.round_timeout)
         survey = survey_sites(grid, node_ids, cfg.round_timeout)
-        write_partition(recorder, survey, dataset.class_names)
+        task = agreed_task_shape(cfg, survey, test)
+        write_partition(recorder, survey, task.class_names)
         num_sites = next(iter(survey.values()))["num-sites"]
         torch.manual_seed(cfg.seed)
-        etf = server_etf(cfg, dataset.num_classes, dataset.image_shape) if cfg.method == "fednca" else None
-        model = build_model(cfg, dataset.num_classes, dataset.image_shape, etf=etf).to(device)
-        if cfg.method == "centralized":
+        if cfg.method in ("factory", "factory-p2p"):
+            run_factory(grid, cfg, sorted(survey), task, test, recorder, device)
+        elif cfg.method == "centralized":
+            model = build_model(cfg, task.num_classes, task.image_shape).to(device)
             train_centralized(cfg, model, num_sites, device, recorder)
         else:
+            etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
+            model = build_model(cfg, task.num_classes, task.image_shape, etf=etf).to(device)
+            done, resumed_state = resume_point(cfg, recorder)
+            if resumed_state is not None:
+                model.load_state_dict(resumed_state)
             strategy = build_strategy(cfg, len(node_ids), etf=etf)
-            strategy.attach(recorder)
+            strategy.attach(recorder, round_offset=done)
             strategy.start(
                 grid=grid,
                 initial_arrays=ArrayRecord(model.state_dict()),
-                num_rounds=cfg.num_server_rounds,
+                num_rounds=cfg.num_server_rounds - done,
                 timeout=cfg.round_timeout,
                 train_config=ConfigRecord({"local-epochs": cfg.local_epochs}),
                 evaluate_fn=make_evaluate_fn(
-                    model, dataset, device, recorder, lambda: (strategy.last_train_metrics, strategy.last_val_metrics)
+                    model,
+                    test,
+                    device,
+                    recorder,
+                    lambda: (strategy.last_train_metrics, strategy.last_val_metrics),
+                    round_offset=done,
                 ),
             )
     except BaseException as exc:

@@ -4,8 +4,11 @@ and the centralised (pooled-data) upper bound."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,9 +18,10 @@ from torch import nn
 
 from fedskew.config import RunConfig
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
+from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_training_data
 from fedskew.data.sources import ImageDataset
-from fedskew.results import RunRecorder, write_json
+from fedskew.results import RESUME_MUST_MATCH, RunRecorder, write_json
 from fedskew.training import evaluate, make_loader, sgd, train_local
 
 SURVEY = "query.site_survey"
@@ -77,26 +81,56 @@ def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names:
         plot_cooccurrence(matrices, class_names, recorder.path / "cooccurrence.png")
 
 
+def resume_point(cfg: RunConfig, recorder: RunRecorder) -> tuple[int, dict[str, torch.Tensor] | None]:
+    """(rounds already done, global model) of `resume-from`, after checking that the earlier run
+    shares every setting that shapes the partition, the model and the ETF; (0, None) without it."""
+    if not cfg.resume_from:
+        return 0, None
+    previous = Path(cfg.resume_from)
+    if cfg.method not in ("fedavg", "fedprox", "fednca"):
+        raise ValueError(f"resume-from works with fedavg, fedprox and fednca; this run's method is {cfg.method!r}")
+    if not (previous / "config.json").is_file():
+        raise FileNotFoundError(f"resume-from = {str(previous)!r} holds no config.json; valid: a fedskew run directory")
+    earlier = json.loads((previous / "config.json").read_text())
+    now = cfg.to_run_config()
+    differing = [f"{k}: {earlier.get(k)!r} -> {now[k]!r}" for k in RESUME_MUST_MATCH if k in now and earlier.get(k) != now[k]]
+    if differing:
+        raise ValueError("resume-from: these settings differ from the earlier run's: " + "; ".join(differing))
+    done, state = recorder.continue_from(previous)
+    if done >= cfg.num_server_rounds:
+        raise ValueError(f"resume-from: the earlier run already completed {done} of num-server-rounds = {cfg.num_server_rounds}")
+    print(f"fedskew: resuming {previous} after round {done}", flush=True)
+    return done, state
+
+
 def scalar_metrics(metrics: dict) -> MetricRecord:
     return MetricRecord({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)})
 
 
 def make_evaluate_fn(
     model: nn.Module,
-    test: ImageDataset,
+    test: ImageDataset | None,
     device: torch.device,
     recorder: RunRecorder,
     round_metrics: Callable[[], tuple[dict, dict]],
+    round_offset: int = 0,
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
-    """Evaluate the global model on the real test split after every round and record the round."""
+    """After every round: evaluate the global model on the server's test split (with no test data,
+    the sites' aggregated validation metrics are the round's evaluation), checkpoint it, and record
+    the round. `round_offset` numbers the rounds of a resumed run after the earlier ones. Flower
+    calls this after the round's federated evaluation, so the validation metrics are current."""
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         state = arrays.to_torch_state_dict()
-        model.load_state_dict(state)
-        metrics = evaluate(model, test.test_images, test.test_labels, device=device)
+        metrics = {}
+        if test is not None:
+            model.load_state_dict(state)
+            metrics = evaluate(model, test.test_images, test.test_labels, device=device)
+        if server_round == 0 and round_offset:
+            return scalar_metrics(metrics)  # the resumed model: already recorded by the earlier run
         train, val = round_metrics()
-        recorder.record_round(server_round, metrics, train=train, val=val)
-        recorder.save_checkpoint(state)
+        recorder.save_checkpoint(state, round_offset + server_round)
+        recorder.record_round(round_offset + server_round, metrics, train=train, val=val)
         return scalar_metrics(metrics)
 
     return evaluate_fn
@@ -113,5 +147,62 @@ def train_centralized(cfg: RunConfig, model: nn.Module, num_sites: int, device: 
     for server_round in range(1, cfg.num_server_rounds + 1):
         stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, device=device)
         metrics = evaluate(model, test.test_images, test.test_labels, device=device)
+        recorder.save_checkpoint(model.state_dict(), server_round)
         recorder.record_round(server_round, metrics, train=stats)
-        recorder.save_checkpoint(model.state_dict())
+
+
+# --- deployment: where the server's test data comes from, and federated evaluation -------------------
+
+FEDERATED_EVALUATION = "federated"
+
+
+def load_server_test_set(cfg: RunConfig) -> ImageDataset | None:
+    """The server's test data by run-config test-data: empty = the dataset's test split (simulation, or a
+    centre that holds the dataset); a path = that site-layout folder or MedMNIST-layout npz;
+    "federated" = none (None): the sites' validation metrics are the evaluation."""
+    if cfg.test_data == FEDERATED_EVALUATION:
+        return None
+    if cfg.test_data:
+        return load_test_set(cfg, cfg.test_data)
+    dataset = load_task_dataset(cfg)
+    if cfg.num_classes not in (0, dataset.num_classes):
+        raise ValueError(
+            f"key 'num-classes' = {cfg.num_classes} is invalid; {dataset.name} has {dataset.num_classes} classes "
+            "(valid: 0 or that number)"
+        )
+    return dataset
+
+
+@dataclass(frozen=True)
+class TaskShape:
+    """What the server needs to build the model when it holds no data (same names as ImageDataset)."""
+
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    class_names: tuple[str, ...]
+    multilabel: bool
+    name: str
+
+
+def agreed_task_shape(cfg: RunConfig, survey: dict[int, dict], test: ImageDataset | None) -> TaskShape | ImageDataset:
+    """The label space and image shape of the run: the server's test data when it has some, else what
+    the sites reported. Every surveyed site must agree, or the run stops before training with the
+    sites and values named (a mismatch would otherwise surface as shape errors in every round)."""
+    reported = {node: (int(s["num-classes"]), tuple(int(v) for v in s["image-shape"])) for node, s in survey.items()}
+    if test is not None:
+        expected, source = (test.num_classes, test.image_shape), f"the server's test data ({test.name})"
+    elif reported:
+        expected, source = next(iter(reported.values())), f"site {next(iter(reported))}"
+    else:
+        raise RuntimeError("no site answered the survey and the server has no test data: nothing defines the model")
+    mismatched = {node: value for node, value in reported.items() if value != expected}
+    if mismatched:
+        listed = "; ".join(f"site {node}: {k} classes, images {shape}" for node, (k, shape) in mismatched.items())
+        raise ValueError(
+            f"sites disagree with {source} ({expected[0]} classes, images {expected[1]} as C, H, W): {listed}. "
+            "Set run-config num-classes and image-size, or fix those sites' classes.txt / images"
+        )
+    if test is not None:
+        return test
+    num_classes, image_shape = expected
+    return TaskShape(num_classes, image_shape, tuple(str(k) for k in range(num_classes)), cfg.multilabel, "site data")

@@ -63,13 +63,19 @@ def _load_partition(cfg: RunConfig, num_sites: int) -> Partition:
     )
 
 
+def site_validation_split(cfg: RunConfig, indices: np.ndarray, site_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) indices of a site; seeded by run seed and site id, so a simulated site
+    and the folder prepare-sites writes for it split identically."""
+    return split_site_validation(indices, cfg.val_fraction, seed=cfg.seed * 7919 + site_id)
+
+
 def simulated_site(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
     """Site `site_id` of `num_sites`: its partition share, split into local train and validation."""
     if not 0 <= site_id < num_sites:
         raise ValueError(f"partition-id {site_id} is out of range; valid: 0..{num_sites - 1}")
     dataset = load_task_dataset(cfg)
     indices = load_partition(cfg, num_sites).site_indices[site_id]
-    train_idx, val_idx = split_site_validation(indices, cfg.val_fraction, seed=cfg.seed * 7919 + site_id)
+    train_idx, val_idx = site_validation_split(cfg, indices, site_id)
     return SiteData(
         site_id=site_id,
         num_sites=num_sites,

@@ -21,6 +21,9 @@ feature_dim is smaller (or whenever a different width is wanted) pass ``projecti
 from __future__ import annotations
 
 import math
+import zlib
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -122,6 +125,12 @@ def check_simplex_etf(etf: Tensor, num_classes: int, dim: int, atol: float = 1e-
             f"ETF columns {i} and {j} have cosine {gram[i, j].item():.6g}; every pair must have cosine "
             f"-1/(K-1) = {target:.6g} (atol {atol})"
         )
+
+
+def etf_fingerprint(etf: Tensor | np.ndarray) -> int:
+    """CRC32 of the float32 bytes: lets the server confirm a site used exactly its ETF."""
+    array = etf.detach().cpu().numpy() if isinstance(etf, Tensor) else etf
+    return zlib.crc32(np.ascontiguousarray(array, dtype=np.float32).tobytes())
 
 
 def etf_dim(feature_dim: int, projection_dim: int | None = None) -> int:

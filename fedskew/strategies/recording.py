@@ -25,20 +25,27 @@ class RecordingMixin:
     last_train_metrics: dict
     last_val_metrics: dict
 
-    def attach(self, recorder: RunRecorder) -> None:
+    def attach(self, recorder: RunRecorder, round_offset: int = 0) -> None:
+        """Record into `recorder`; a resumed run numbers its rounds after `round_offset`, so the
+        sites' schedules and seeds continue where the earlier run stopped."""
         self.recorder = recorder
+        self.round_offset = round_offset
+        self.destinations: dict[str, int] = {}
         self.last_train_metrics, self.last_val_metrics = {}, {}
 
     def _count_out(self, messages: Iterable[Message]) -> list[Message]:
         messages = list(messages)
         for msg in messages:
+            # The SuperLink answers for a vanished node with its own id as the source, so replies
+            # are traced back to their site through the id of the message they answer.
+            self.destinations[msg.object_id] = msg.metadata.dst_node_id
             self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
         return messages
 
     def _count_in(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
         for msg in replies:
-            site = str(msg.metadata.src_node_id)
+            site = str(self.destinations.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
             if msg.has_error():
                 self.recorder.record_dropout(server_round, site, msg.error.reason)
             else:
@@ -50,17 +57,19 @@ class RecordingMixin:
         return messages
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        return self._count_out(self.extend_messages(super().configure_train(server_round, arrays, config, grid)))
+        return self._count_out(self.extend_messages(super().configure_train(server_round + self.round_offset, arrays, config, grid)))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        return self._count_out(self.extend_messages(super().configure_evaluate(server_round, arrays, config, grid)))
+        return self._count_out(self.extend_messages(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        server_round += self.round_offset
         arrays, metrics = super().aggregate_train(server_round, self._count_in(server_round, replies))
         self.last_train_metrics = dict(metrics) if metrics is not None else {}
         return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        server_round += self.round_offset
         metrics = super().aggregate_evaluate(server_round, self._count_in(server_round, replies))
         self.last_val_metrics = dict(metrics) if metrics is not None else {}
         return metrics

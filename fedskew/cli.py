@@ -1,0 +1,142 @@
+"""The `fedskew` command line: one subcommand per job.
+
+A subcommand is a function `run(args) -> exit code` plus a registration function that adds its
+parser to the subparsers and sets `run` as its default; list the registration in SUBCOMMANDS.
+Options that are run-config keys are generated from fedskew/config.py, so their names, defaults,
+choices and help match the run config exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from fedskew.config import ConfigError, RunConfig, _iter_fields
+from fedskew.data.site_folder import FORMATS, SiteFolderError, prepare_sites
+from fedskew.data.sites import load_partition
+from fedskew.data.sources import DataSourceError
+
+# The run-config keys that decide which images and labels each site holds.
+PARTITION_KEYS = (
+    "dataset", "data-root", "allow-download", "image-size", "mosaic-grid", "partition", "alpha",
+    "classes-per-site", "missing-classes", "min-site-size", "seed",
+)  # fmt: skip
+
+
+def add_run_config_options(parser: argparse.ArgumentParser, keys: tuple[str, ...]) -> None:
+    """`--<key>` for each run-config key, typed, defaulted and described as in RunConfig."""
+    fields = {key: info for key, info, _ in _iter_fields(RunConfig)}
+    for key in keys:
+        info = fields[key]
+        kwargs: dict = {"default": info.default, "help": f"{info.description} (default: {info.default!r})"}
+        if info.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(info.annotation) is typing.Literal:
+            kwargs["choices"] = typing.get_args(info.annotation)
+        else:
+            kwargs["type"] = info.annotation
+        parser.add_argument(f"--{key}", dest=key.replace("-", "_"), **kwargs)
+
+
+def run_config_from_args(args: argparse.Namespace, keys: tuple[str, ...], **fixed) -> RunConfig:
+    return RunConfig.from_run_config({**fixed, **{key: getattr(args, key.replace("-", "_")) for key in keys}})
+
+
+# --- prepare-sites -----------------------------------------------------------------------------------
+
+
+def run_prepare_sites(args: argparse.Namespace) -> int:
+    # The partition does not depend on the method; fedavg accepts single- and multi-label data alike.
+    cfg = run_config_from_args(args, PARTITION_KEYS, method="fedavg")
+    contents = prepare_sites(cfg, args.sites, args.out, args.format)
+    unassigned = len(load_partition(cfg, args.sites).unassigned)
+    out = Path(args.out).resolve()
+    print(f"wrote {len(contents) - 1} site folder(s) and the server test set to {out} ({args.format} layout):")
+    for name, data in contents.items():
+        counts = data.labels.sum(axis=0) if data.labels.ndim == 2 else np.bincount(data.labels, minlength=len(data.class_names))
+        present = int((counts > 0).sum())
+        print(f"  {name}: {len(data.labels)} images, {present}/{len(data.class_names)} classes present")
+    if unassigned:
+        print(f"  ({unassigned} training images fit no site under this partition and were not written)")
+    print("start one SuperNode per site with, e.g.:")
+    for k in range(args.sites):
+        print(f"  flower-supernode ... --node-config \"data-dir='{out / f'site-{k}'}' site-id={k} num-sites={args.sites}\"")
+    print(f"and give the server its test set with --run-config \"test-data='{out / 'server-test'}'\"")
+    return 0
+
+
+def register_prepare_sites(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "prepare-sites",
+        help="write one data folder per site (the simulated partition) plus the server's test set",
+        description="Write OUT/site-0 .. site-(N-1), each site's share of the simulated partition in the "
+        "site-folder layout, and OUT/server-test with the dataset's test split. The same settings give "
+        "the same partition as a simulation with that many SuperNodes.",
+    )
+    parser.add_argument("--sites", type=int, required=True, help="number of sites N")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write site-K/ and server-test/ into")
+    parser.add_argument("--format", choices=FORMATS, default="png", help="images/ + labels.csv (png) or site.npz")
+    add_run_config_options(parser, PARTITION_KEYS)
+    parser.set_defaults(run=run_prepare_sites)
+
+
+# --- unlearn ------------------------------------------------------------------------------------------
+
+
+def run_unlearn(args: argparse.Namespace) -> int:
+    # Imported here: it pulls in torch and the Flower server side, which other subcommands do not need.
+    from fedskew.factory.unlearn import unlearn
+
+    target = unlearn(args.run_dir, site=args.site, class_id=args.class_id, out=args.out)
+    print((target / "unlearning.md").read_text())
+    print(f"wrote {target} (the source run {Path(args.run_dir).resolve()} is unchanged)")
+    return 0
+
+
+def register_unlearn(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "unlearn",
+        help="forget a site or a class of a finished factory / factory-p2p run, into a new run directory",
+        description="Drop the generator modules of a site (or of a class) from RUN_DIR's library, drop the "
+        "synthetic images they drew, retrain the classifier with the run's recipe and seed (factory-p2p: also "
+        "drop those sites' experts), and write everything plus a before/after per-class recall table "
+        "(unlearning.md, unlearning.json) to a new run directory. RUN_DIR is only read.",
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a factory or factory-p2p run directory")
+    forget = parser.add_mutually_exclusive_group(required=True)
+    forget.add_argument("--site", type=int, help="site id K whose modules to forget")
+    forget.add_argument("--class", dest="class_id", type=int, metavar="C", help="class id C whose modules to forget")
+    parser.add_argument("--out", type=Path, default=None, help="new run directory (default: RUN_DIR-forget-siteK|classC)")
+    parser.set_defaults(run=run_unlearn)
+
+
+# --- entry point ---------------------------------------------------------------------------------------
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register_prepare_sites, register_unlearn)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedskew", description="fedskew tools (runs themselves start with `flwr run`).")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, SiteFolderError, DataSourceError, ValueError) as err:
+        # Bad input ends with its message, not a traceback.
+        print(f"fedskew {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,293 @@
+"""A real deployment's processes on one host: a SuperLink with TLS, SuperNode authentication and a
+state database, and SuperNodes that each read their own site folder. Used by tests and for trying
+a deployment locally before taking it to the sites (README.md, "Deploy at hospital sites" has the same steps by hand).
+
+Every process runs in its own session (process group) with offline settings, logs to a file and is
+stopped by its process group: a SuperNode in subprocess isolation starts a `flower-superexec` that
+starts one ClientApp process per message, and all of them go with it. The flwr CLI talks to the
+SuperLink through a connection written to this deployment's own FLWR_HOME.
+
+Certificates come from docker/certs.sh (CA + server certificate with SANs) and SuperNode keys from
+docker/keys.sh (ssh-keygen ECDSA P-384).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, free_port, run_config_toml
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """What docker/certs.sh writes: the CA certificate every party trusts and the SuperLink's pair."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+    @classmethod
+    def in_folder(cls, folder: str | Path) -> TlsFiles:
+        folder = Path(folder)
+        files = cls(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+        missing = [str(p) for p in (files.ca_cert, files.server_cert, files.server_key) if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"TLS files missing: {', '.join(missing)}; create them with docker/certs.sh {folder}")
+        return files
+
+
+class FlowerProcess:
+    """One long-running Flower command in its own session, logging to `log_path`."""
+
+    def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log_path: Path):
+        self.name, self.argv, self.env, self.log_path = name, argv, dict(env), log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> FlowerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash, with no goodbye to the SuperLink."""
+        self._signal_group(signal.SIGKILL)
+        if self.process:
+            self.process.wait()
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM the process group (a graceful shutdown), SIGKILL what is left after `timeout` s."""
+        if not self.running:
+            self._signal_group(signal.SIGKILL)  # children of an exited leader may still run
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)  # the session id is the leader's pid (start_new_session)
+        except ProcessLookupError:
+            pass
+
+
+def offline_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, **OFFLINE_ENV, **(extra or {}), "FLWR_HOME": str(flwr_home)}
+
+
+class SuperLink:
+    """`flower-superlink` on a free loopback port: TLS when `tls` is given (else --insecure),
+    SuperNode authentication when `supernode_auth`, state in `home/state.db`, ServerApps in
+    subprocesses, and a flwr CLI connection named `connection` in `home/config.toml`. `env` adds
+    environment variables (e.g. OMP_NUM_THREADS) to the SuperLink and the ServerApps it starts."""
+
+    def __init__(
+        self,
+        home: str | Path,
+        tls: TlsFiles | None,
+        supernode_auth: bool = True,
+        connection: str = "fedskew",
+        env: Mapping[str, str] | None = None,
+    ):
+        if supernode_auth and tls is None:
+            raise ValueError("SuperNode authentication needs TLS: give the TLS files from docker/certs.sh")
+        self.home, self.tls, self.supernode_auth, self.connection = Path(home), tls, supernode_auth, connection
+        self.port = free_port()
+        self.env = offline_env(self.home, env)
+        self.process: FlowerProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def command(self) -> list[str]:
+        security = (
+            ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
+             "--ssl-keyfile", str(self.tls.server_key)]
+            if self.tls else ["--insecure"]
+        )  # fmt: skip
+        return [
+            "flower-superlink", *security, *(["--enable-supernode-auth"] if self.supernode_auth else []),
+            "--database", str(self.home / "state.db"), "--isolation", "subprocess",
+            "--disable-runtime-dependency-installation", "--host", LOOPBACK, "--port", str(self.port),
+        ]  # fmt: skip
+
+    def connection_toml(self) -> str:
+        security = f'root-certificates = "{self.tls.ca_cert}"' if self.tls else "insecure = true"
+        return f'[superlink]\ndefault = "{self.connection}"\n\n[superlink.{self.connection}]\naddress = "{self.address}"\n{security}\n'
+
+    def start(self, timeout: float = 60) -> SuperLink:
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(self.connection_toml())
+        self.process = FlowerProcess("superlink", self.command(), self.env, self.home / "superlink.log").start()
+        self._wait_healthy(timeout)
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        scheme = "https" if self.tls else "http"
+        verify = ssl.create_default_context(cafile=str(self.tls.ca_cert)) if self.tls else True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.process.running:
+                raise RuntimeError(f"flower-superlink exited; its log:\n{self.process.log_text()[-3000:]}")
+            try:
+                if httpx.get(f"{scheme}://{self.address}/health", verify=verify, timeout=1).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"flower-superlink not healthy after {timeout} s; see {self.process.log_path}")
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    def __enter__(self) -> SuperLink:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- the flwr CLI against this SuperLink ------------------------------------------------------
+    def flwr(self, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+    def register(self, public_key: str | Path) -> None:
+        """`flwr supernode register`: admit the SuperNode holding the matching private key."""
+        result = self.flwr("supernode", "register", str(public_key), self.connection)
+        if result.returncode != 0:
+            raise RuntimeError(f"registering {public_key} failed:\n{result.stdout}{result.stderr}")
+
+    def runs(self) -> list[dict]:
+        listing = self.flwr("ls", self.connection, "--format", "json")
+        return json.loads(listing.stdout).get("runs", []) if listing.returncode == 0 else []
+
+    def submit(self, run_config: dict[str, Any], app_dir: Path = APP_DIR) -> int:
+        """`flwr run` the app with these run-config overrides; returns the run id without waiting."""
+        config_file = self.home / f"run-config-{time.monotonic_ns()}.toml"
+        config_file.write_text(run_config_toml(run_config))
+        result = self.flwr(
+            "run", str(app_dir), self.connection, "--run-config", str(config_file), "--format", "json", cwd=app_dir
+        )
+        try:
+            return int(json.loads(result.stdout)["run-id"])
+        except (ValueError, KeyError) as err:
+            raise RuntimeError(f"flwr run did not start a run:\n{result.stdout}{result.stderr}") from err
+
+    def wait(self, run_id: int, timeout: float = 600) -> RunOutcome:
+        """Poll `flwr ls` until the run finishes (or `timeout` s pass); the outcome carries its log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = next((r for r in self.runs() if r["run-id"] == str(run_id)), None)  # listed as a string
+            if run and run["status"].startswith("finished") or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        log = self.flwr("log", str(run_id), self.connection, "--show")
+        return RunOutcome(run_id, run["status"] if run else "not-found", log.stdout + log.stderr, run or {})
+
+
+def node_config_arg(node_config: Mapping[str, Any]) -> str:
+    """The --node-config string: strings as TOML literal strings, which take paths verbatim."""
+    pairs = []
+    for key, value in node_config.items():
+        if isinstance(value, str):
+            if "'" in value:
+                raise ValueError(f"node config {key} = {value!r} contains a single quote; valid: a value without \"'\"")
+            value = f"'{value}'"
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        pairs.append(f"{key}={value}")
+    return " ".join(pairs)
+
+
+class SuperNode:
+    """`flower-supernode` connected to `link`, with its own FLWR_HOME and Runtime API port; it
+    authenticates with `private_key` when given; ClientApps run in subprocesses and inherit `env`."""
+
+    def __init__(
+        self,
+        link: SuperLink,
+        home: str | Path,
+        node_config: Mapping[str, Any],
+        private_key: str | Path | None = None,
+        max_retries: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.link, self.home, self.node_config = link, Path(home), dict(node_config)
+        self.private_key, self.max_retries, self.extra_env = private_key, max_retries, dict(env or {})
+        self.port = free_port()
+        self.process: FlowerProcess | None = None
+
+    def command(self) -> list[str]:
+        link = self.link
+        security = ["--root-certificates", str(link.tls.ca_cert)] if link.tls else ["--insecure"]
+        return [
+            "flower-supernode", "--superlink", link.address, *security,
+            *(["--auth-supernode-private-key", str(self.private_key)] if self.private_key else []),
+            *(["--max-retries", str(self.max_retries)] if self.max_retries is not None else []),
+            "--node-config", node_config_arg(self.node_config),
+            "--isolation", "subprocess", "--host", LOOPBACK, "--port", str(self.port),
+        ]  # fmt: skip
+
+    def start(self) -> SuperNode:
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = offline_env(self.home, self.extra_env)
+        self.process = FlowerProcess("supernode", self.command(), env, self.home / "supernode.log").start()
+        return self
+
+    @property
+    def node_id(self) -> int | None:
+        """The id the SuperLink gave this node (from its log), None before it connected."""
+        found = re.search(r"SuperNode ID: (\d+)", self.process.log_text()) if self.process else None
+        return int(found.group(1)) if found else None
+
+    def wait_connected(self, timeout: float = 60) -> int:
+        """The node id, once the SuperLink has admitted this node."""
+        deadline = time.monotonic() + timeout
+        while self.node_id is None:
+            if not self.process.running:
+                raise RuntimeError(f"flower-supernode exited; its log:\n{self.process.log_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flower-supernode not connected after {timeout} s; see {self.process.log_path}")
+            time.sleep(0.3)
+        return self.node_id
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        return self.process.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    def kill(self) -> None:
+        if self.process:
+            self.process.kill()

@@ -1,0 +1,9 @@
+"""FederatedFactory (spec: /work/shared/specs/federated-factory.md) as plain functions.
+
+site.py        what a site does: train its generators, audit them for memorisation, train a P2P expert
+library.py     the generator library: upload validation, library files, class-balanced synthesis, grids
+classifier.py  classifier training on synthetic (+ real) data and the Product of Experts
+unlearn.py     modular unlearning of a finished run (new run directory, source untouched)
+
+The Flower flows that move these between sites and server are in fedskew/strategies/factory.py.
+"""

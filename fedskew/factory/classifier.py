@@ -1,0 +1,183 @@
+"""Classifiers trained on synthetic (and, in P2P, real) images, and the Product of Experts.
+
+The recipe is the paper's optimiser (SGD lr 0.05, momentum 0.9, weight decay 1e-4, cosine decay to
+0, cross-entropy, bf16 autocast on GPU) with the architecture and epochs from the run config; a
+held-out share of the training images picks the best epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models import resnet50
+
+from fedskew.config import FactorySection
+from fedskew.factory.library import UploadRejected
+from fedskew.models.backbones import Classifier, build_backbone
+from fedskew.models.edm2 import augment as flip_rotate
+from fedskew.training import LossFn, evaluate, make_loader, train_local
+
+# log(1e-12): an expert that rules a class out cannot veto it by more than this.
+LOG_PROB_FLOOR = math.log(1e-12)
+SMALL_IMAGE_SIDE = 96
+
+
+@dataclass(frozen=True)
+class ClassifierRecipe:
+    arch: str
+    epochs: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    augment: str  # "none" | "flip" | "flip-rot90"; random shifts are always on
+
+    @classmethod
+    def from_section(cls, factory: FactorySection) -> ClassifierRecipe:
+        return cls(
+            factory.classifier, factory.classifier_epochs, factory.classifier_lr, factory.classifier_momentum,
+            factory.classifier_weight_decay, factory.classifier_batch_size, factory.augment,
+        )  # fmt: skip
+
+
+class ResNet50(nn.Module):
+    """torchvision ResNet-50 with the paper's small-image stem (3x3 stride-1 conv, no max-pool) below 96 px."""
+
+    def __init__(self, in_channels: int, small_images: bool):
+        super().__init__()
+        net = resnet50(weights=None)
+        if small_images:
+            net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
+            net.maxpool = nn.Identity()
+        elif in_channels != 3:
+            net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+        self.feature_dim = 2048
+        self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
+        self.stages = nn.Sequential(net.layer1, net.layer2, net.layer3, net.layer4)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages(self.stem(x))
+
+
+def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int) -> Classifier:
+    channels, height, _ = image_shape
+    if arch == "resnet50":
+        return Classifier(ResNet50(channels, small_images=height < SMALL_IMAGE_SIDE), num_classes)
+    return Classifier(build_backbone(arch, channels, height), num_classes)
+
+
+def stratified_holdout(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train_idx, val_idx): a seeded `fraction` of every class held out (at least one image of any class
+    with two or more), so the validation set is as class-balanced as the data."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for class_id in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == class_id))
+        n_val = min(max(round(len(members) * fraction), 1), len(members) - 1) if len(members) >= 2 else 0
+        val.append(members[:n_val])
+        train.append(members[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to `max_shift` px in each axis (zero fill): pad, then crop per image."""
+    n, channels, height, width = x.shape
+    padded = F.pad(x, (max_shift,) * 4)
+    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n), generator=generator).to(x.device)
+    rows = (dy[:, None] + torch.arange(height, device=x.device))[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(width, device=x.device))[:, None, None, :]
+    batch = torch.arange(n, device=x.device)[:, None, None, None]
+    chans = torch.arange(channels, device=x.device)[None, :, None, None]
+    return padded[batch, chans, rows, cols]
+
+
+def augmented_cross_entropy(augment: str, seed: int) -> LossFn:
+    """Cross-entropy on randomly shifted (and flipped / rotated) images; bf16 autocast on CUDA."""
+    generator = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+
+    def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = random_shift(x, max(1, x.shape[-1] // 8), generator)
+        x = flip_rotate(x, augment != "none", augment == "flip-rot90", rng)
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+            logits = model(x)
+        return F.cross_entropy(logits.float(), y)
+
+    return loss_fn
+
+
+def train_classifier(
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    recipe: ClassifierRecipe,
+    *,
+    val_fraction: float,
+    seed: int,
+    device: torch.device,
+) -> tuple[Classifier, dict]:
+    """Train from scratch on (images, labels) minus a stratified `val_fraction`; returns the weights of the
+    epoch with the best validation accuracy, and stats (loss, best epoch, validation accuracy, seconds)."""
+    train_idx, val_idx = stratified_holdout(labels, val_fraction, seed)
+    torch.manual_seed(seed)
+    model = build_classifier(recipe.arch, tuple(images.shape[1:]), num_classes).to(device)
+    loader = make_loader(images[train_idx], labels[train_idx], recipe.batch_size, shuffle=True, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.epochs * len(loader), eta_min=0.0)
+    loss_fn = augmented_cross_entropy(recipe.augment, seed)
+    best = {"val_accuracy": -1.0}
+    seconds = 0.0
+    for epoch in range(1, recipe.epochs + 1):
+        stats = train_local(model, loader, epochs=1, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, device=device)
+        seconds += stats["train_seconds"]
+        val_accuracy = evaluate(model, images[val_idx], labels[val_idx], device=device)["accuracy"] if len(val_idx) else 0.0
+        if val_accuracy > best["val_accuracy"]:
+            best = {"val_accuracy": val_accuracy, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+        print(f"classifier epoch {epoch}/{recipe.epochs}: loss {stats['train_loss']:.4f}, val acc {val_accuracy:.4f}", flush=True)
+    model.load_state_dict(best.pop("state"))
+    return model, {
+        "train_loss": stats["train_loss"],
+        "train_seconds": seconds,
+        "num_examples": len(train_idx),
+        "val_examples": len(val_idx),
+        **best,
+    }
+
+
+def product_of_experts(expert_logits: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum over experts of log_softmax, each clamped at log(1e-12); softmax of the sum gives the PoE
+    probabilities and its argmax the prediction."""
+    if not expert_logits:
+        raise ValueError("product_of_experts needs at least one expert's logits")
+    return torch.stack([F.log_softmax(l.float(), dim=-1).clamp(min=LOG_PROB_FLOOR) for l in expert_logits]).sum(0)
+
+
+class ExpertEnsemble(nn.Module):
+    """The P2P model: forward returns the PoE score, so fedskew.training.evaluate's softmax yields the
+    PoE probabilities."""
+
+    def __init__(self, experts: Sequence[nn.Module]):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product_of_experts([expert(x) for expert in self.experts])
+
+
+def check_expert_weights(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    """A returned expert must have exactly the reference model's tensors (names, shapes) with finite values."""
+    if set(state) != set(reference):
+        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+        raise UploadRejected(f"expert weights do not match the classifier: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(reference[name].shape):
+            raise UploadRejected(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(reference[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UploadRejected(f"expert tensor {name!r} holds non-finite values")

@@ -1,0 +1,429 @@
+"""The generator library: what a site uploads, how the server checks it, where it is kept, and the
+class-balanced synthetic data drawn from it.
+
+A module is one uploaded generator: an unconditional EDM2 model of one (site, class), or one
+class-conditional model of a site. Uploads are untrusted input, so `validate_upload` checks every
+declared fact against the arrays (config vs shapes, finite values, checksum, class ids in range)
+before anything is built from them, and rejects the whole upload with the first reason found.
+
+On disk (`library/`): `<module-id>.safetensors` + `<module-id>.json` per module (generator_io's
+format) and `manifest.json` listing the modules with their metadata. The synthetic set is stored
+as `synthetic.safetensors` with the sampling plan (module, class, count and seed of every draw) in
+its header, so unlearning drops samples instead of regenerating them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.numpy import load_file as load_numpy_file  # noqa: E402
+from safetensors.numpy import save_file as save_numpy_file  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from fedskew.config import FactorySection  # noqa: E402
+from fedskew.models.edm2 import GeneratorConfig, Precond, sample  # noqa: E402
+from fedskew.models.generator_io import (  # noqa: E402
+    GeneratorFileError,
+    generator_from_arrays,
+    load_generator,
+    save_generator,
+)
+
+LIBRARY_FORMAT = "fedskew-factory-library"
+LIBRARY_VERSION = 1
+MANIFEST = "manifest.json"
+SYNTHETIC_FILE = "synthetic.safetensors"
+# Module ids become file names: no separators, no leading dot.
+MODULE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+# Noise is drawn per chunk of this many images, so a synthetic set does not depend on the batch size.
+NOISE_CHUNK = 256
+
+
+class UploadRejected(ValueError):
+    """An upload (or relayed library) that fails validation; the message says which module and why."""
+
+
+@dataclass(frozen=True)
+class GeneratorModule:
+    module_id: str
+    site_id: int
+    classes: tuple[int, ...]
+    image_counts: tuple[int, ...]
+    config: GeneratorConfig
+    checksum: str
+    # Share of audit samples closer to a training image than a third of their distance to the
+    # nearest held-out image (NaN: not audited).
+    memorization: float
+    state: dict[str, torch.Tensor] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def conditional(self) -> bool:
+        return self.config.label_dim > 0
+
+    def metadata(self) -> dict:
+        """Everything but the weights, JSON-able; `module_from_metadata` reads it back."""
+        return {
+            "module-id": self.module_id,
+            "site-id": self.site_id,
+            "classes": list(self.classes),
+            "image-counts": list(self.image_counts),
+            "config": self.config.to_dict(),
+            "checksum": self.checksum,
+            "memorization": self.memorization,
+        }
+
+    def model(self, device: torch.device | str = "cpu") -> Precond:
+        return generator_from_arrays(self.config, self.state, self.checksum, device)
+
+
+def module_id_for(site_id: int, class_id: int | None) -> str:
+    """`site3-class7` for an unconditional (site, class) generator, `site3` for a conditional one."""
+    return f"site{site_id}" if class_id is None else f"site{site_id}-class{class_id}"
+
+
+# --- validation --------------------------------------------------------------------------------------
+
+
+def _reject(module_id: str, problem: str) -> UploadRejected:
+    return UploadRejected(f"module {module_id!r}: {problem}")
+
+
+def _int_list(value, name: str, module_id: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _reject(module_id, f"{name} must be a non-empty list of ints, got {value!r}")
+    return value
+
+
+def _checked_module(
+    meta: dict, state: dict[str, torch.Tensor], num_classes: int, image_shape: tuple[int, int, int], max_memorization: float
+) -> GeneratorModule:
+    module_id = meta.get("module-id")
+    if not isinstance(module_id, str) or not MODULE_ID.match(module_id):
+        raise UploadRejected(f"module id {module_id!r} is invalid; valid: letters, digits, '_' and '-', at most 64")
+    site_id = meta.get("site-id")
+    if not isinstance(site_id, int) or isinstance(site_id, bool) or site_id < 0:
+        raise _reject(module_id, f"site-id must be an int >= 0, got {site_id!r}")
+    classes = _int_list(meta.get("classes"), "classes", module_id)
+    counts = _int_list(meta.get("image-counts"), "image-counts", module_id)
+    if len(set(classes)) != len(classes) or not all(0 <= c < num_classes for c in classes):
+        raise _reject(module_id, f"class ids {classes} must be distinct and in 0..{num_classes - 1}")
+    if len(counts) != len(classes) or min(counts) < 1:
+        raise _reject(module_id, f"image-counts {counts} must be one int >= 1 per class {classes}")
+    try:
+        config = GeneratorConfig.from_dict(meta.get("config"))
+    except (TypeError, ValueError) as err:
+        raise _reject(module_id, f"invalid generator config: {err}") from None
+    declared = (config.img_channels, config.img_resolution, config.img_resolution)
+    if declared != tuple(image_shape):
+        raise _reject(module_id, f"generator makes images {declared} (C, H, W) but the run's images are {tuple(image_shape)}")
+    if config.label_dim == 0 and len(classes) != 1:
+        raise _reject(module_id, f"an unconditional generator models one class, but it declares {classes}")
+    if config.label_dim not in (0, num_classes):
+        raise _reject(module_id, f"conditional label_dim {config.label_dim} must equal the run's {num_classes} classes")
+    memorization = meta.get("memorization")
+    if not isinstance(memorization, (int, float)) or not (math.isnan(memorization) or 0 <= memorization <= 1):
+        raise _reject(module_id, f"memorization must be a share in [0, 1] or NaN (not audited), got {memorization!r}")
+    if max_memorization > 0 and not memorization <= max_memorization:
+        raise _reject(
+            module_id, f"declared memorization {memorization} exceeds factory.max-memorization {max_memorization}"
+        )
+    checksum = meta.get("checksum")
+    if not isinstance(checksum, str):
+        raise _reject(module_id, f"checksum must be a sha256 hex string, got {checksum!r}")
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise _reject(module_id, f"tensor {name!r} holds non-finite values")
+    try:
+        # Checks the checksum first, then tensor names, shapes and dtypes against the config's model.
+        generator_from_arrays(config, state, checksum, "meta")
+    except GeneratorFileError as err:
+        raise _reject(module_id, str(err)) from None
+    return GeneratorModule(
+        module_id, site_id, tuple(classes), tuple(counts), config, checksum, float(memorization),
+        {k: v.detach().cpu() for k, v in state.items()},
+    )  # fmt: skip
+
+
+def validate_modules(
+    metas: list,
+    states: dict[str, dict[str, torch.Tensor]],
+    *,
+    num_classes: int,
+    image_shape: tuple[int, int, int],
+    max_memorization: float = 0.0,
+) -> list[GeneratorModule]:
+    """Every declared module checked against its weights (`states`: module id -> weights, one ArrayRecord
+    each on the wire); UploadRejected names the first problem."""
+    if not isinstance(metas, list) or not metas:
+        raise UploadRejected(f"the upload must list at least one module, got {str(metas)[:200]!r}")
+    declared = [m.get("module-id") if isinstance(m, dict) else None for m in metas]
+    if len(set(map(str, declared))) != len(declared):
+        raise UploadRejected(f"module ids {declared} are not distinct")
+    if set(map(str, declared)) != set(states):
+        raise UploadRejected(f"metadata lists modules {sorted(map(str, declared))} but weights came for {sorted(states)}")
+    return [_checked_module(m, states[m["module-id"]], num_classes, image_shape, max_memorization) for m in metas]
+
+
+def validate_upload(
+    meta: dict,
+    states: dict[str, dict[str, torch.Tensor]],
+    *,
+    num_classes: int,
+    image_shape: tuple[int, int, int],
+    max_memorization: float = 0.0,
+) -> list[GeneratorModule]:
+    """One site's upload ({"site-id", "modules": [module metadata]}) after every check: all modules
+    valid and all from the uploading site."""
+    if not isinstance(meta, dict):
+        raise UploadRejected(f"upload metadata must be a JSON object, got {type(meta).__name__}")
+    modules = validate_modules(
+        meta.get("modules"), states, num_classes=num_classes, image_shape=image_shape, max_memorization=max_memorization
+    )
+    strays = [m.module_id for m in modules if m.site_id != meta.get("site-id")]
+    if strays:
+        raise UploadRejected(f"modules {strays} claim another site than the uploader's site-id {meta.get('site-id')!r}")
+    return modules
+
+
+# --- the library ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Library:
+    modules: tuple[GeneratorModule, ...]
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    class_names: tuple[str, ...]
+
+    def covered_classes(self) -> list[int]:
+        return sorted({c for m in self.modules for c in m.classes})
+
+    def missing_classes(self) -> list[int]:
+        return sorted(set(range(self.num_classes)) - set(self.covered_classes()))
+
+    def module(self, module_id: str) -> GeneratorModule:
+        for m in self.modules:
+            if m.module_id == module_id:
+                return m
+        raise KeyError(f"no module {module_id!r}; the library holds {[m.module_id for m in self.modules]}")
+
+    def without(self, module_ids: Iterable[str]) -> Library:
+        drop = set(module_ids)
+        unknown = drop - {m.module_id for m in self.modules}
+        if unknown:
+            raise KeyError(f"modules {sorted(unknown)} are not in the library")
+        return dataclasses.replace(self, modules=tuple(m for m in self.modules if m.module_id not in drop))
+
+    def manifest(self) -> dict:
+        return {
+            "format": LIBRARY_FORMAT,
+            "version": LIBRARY_VERSION,
+            "num-classes": self.num_classes,
+            "image-shape": list(self.image_shape),
+            "class-names": list(self.class_names),
+            "missing-classes": self.missing_classes(),
+            "modules": [m.metadata() for m in self.modules],
+        }
+
+
+def write_library(library: Library, directory: Path) -> Path:
+    """`directory/<module-id>.safetensors|.json` per module and `directory/manifest.json`."""
+    directory.mkdir(parents=True, exist_ok=False)
+    for module in library.modules:
+        save_generator(module.model("cpu"), module.config, directory / module.module_id, extra_meta=module.metadata())
+    path = directory / MANIFEST
+    path.write_text(json.dumps(library.manifest(), indent=2) + "\n")
+    return path
+
+
+def read_library(directory: Path) -> Library:
+    """Read and verify a library: every file's sha256 (generator_io) and every module's weight checksum."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise GeneratorFileError(f"cannot read the library manifest {directory / MANIFEST}: {err}") from None
+    if manifest.get("format") != LIBRARY_FORMAT or manifest.get("version") != LIBRARY_VERSION:
+        raise GeneratorFileError(f"{directory / MANIFEST} is not a {LIBRARY_FORMAT} version {LIBRARY_VERSION} manifest")
+    return library_from_manifest(
+        manifest, {str(m["module-id"]): dict(load_generator(directory / str(m["module-id"]))[0].state_dict())
+                   for m in manifest["modules"] if MODULE_ID.match(str(m.get("module-id")))},
+    )  # fmt: skip
+
+
+def library_from_manifest(manifest: dict, states: dict[str, dict[str, torch.Tensor]]) -> Library:
+    """A library from its manifest and module weights (read from disk, or relayed to a site), every module
+    validated as an upload is."""
+    if not isinstance(manifest, dict) or any(k not in manifest for k in ("num-classes", "image-shape", "class-names", "modules")):
+        raise UploadRejected("a library manifest needs num-classes, image-shape, class-names and modules")
+    num_classes, image_shape = manifest["num-classes"], tuple(manifest["image-shape"])
+    modules = validate_modules(manifest["modules"], states, num_classes=num_classes, image_shape=image_shape)
+    return Library(tuple(modules), num_classes, image_shape, tuple(manifest["class-names"]))
+
+
+# --- class-balanced synthesis ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    module_id: str
+    class_id: int
+    count: int
+    seed: int
+
+
+def split_quota(total: int, weights: Sequence[int]) -> list[int]:
+    """Integers summing to `total`, proportional to `weights` (largest remainder; ties to the earlier)."""
+    if total < 0 or not weights or min(weights) <= 0:
+        raise ValueError(f"split_quota needs total >= 0 and positive weights, got total {total}, weights {list(weights)}")
+    exact = np.asarray(weights, dtype=np.float64) * total / sum(weights)
+    shares = np.floor(exact).astype(int)
+    remainder_order = np.argsort(-(exact - shares), kind="stable")
+    shares[remainder_order[: total - shares.sum()]] += 1
+    return shares.tolist()
+
+
+def derived_seed(*parts: int) -> int:
+    """A 31-bit seed determined by the integers `parts` (and by nothing else)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def job_seed(seed: int, module_id: str, class_id: int) -> int:
+    """A draw's seed depends only on the run seed, module and class: dropping a module changes no other draw."""
+    return derived_seed(seed, class_id, *module_id.encode())
+
+
+def sampling_plan(library: Library, samples_per_class: int, seed: int, classes: Iterable[int] | None = None) -> list[SampleJob]:
+    """`samples_per_class` images of every covered class (or of `classes`); a class held by several
+    modules is split in proportion to the images each was trained on."""
+    wanted = library.covered_classes() if classes is None else sorted(set(classes))
+    jobs = []
+    for class_id in wanted:
+        holders = [(m, m.image_counts[m.classes.index(class_id)]) for m in library.modules if class_id in m.classes]
+        if not holders:
+            raise ValueError(f"class {class_id} has no generator in the library (covered: {library.covered_classes()})")
+        for (module, _), count in zip(holders, split_quota(samples_per_class, [n for _, n in holders])):
+            if count:
+                jobs.append(SampleJob(module.module_id, class_id, count, job_seed(seed, module.module_id, class_id)))
+    return jobs
+
+
+@dataclass(frozen=True)
+class SyntheticSet:
+    images: np.ndarray  # (N, C, H, W) float32 in [0, 1]
+    labels: np.ndarray  # (N,) int64
+    source: np.ndarray  # (N,) int64 index into jobs: which draw made each image
+    jobs: tuple[SampleJob, ...]
+
+    def without_modules(self, module_ids: Iterable[str]) -> SyntheticSet:
+        """The set minus every image drawn from those modules (the remaining images are unchanged)."""
+        drop = set(module_ids)
+        kept_jobs = [i for i, job in enumerate(self.jobs) if job.module_id not in drop]
+        keep = np.isin(self.source, kept_jobs)
+        renumber = np.full(len(self.jobs), -1, dtype=np.int64)
+        renumber[kept_jobs] = np.arange(len(kept_jobs))
+        return SyntheticSet(
+            self.images[keep], self.labels[keep], renumber[self.source[keep]], tuple(self.jobs[i] for i in kept_jobs)
+        )
+
+
+def synthesise(
+    library: Library,
+    jobs: Sequence[SampleJob],
+    *,
+    steps: int,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = True,
+) -> SyntheticSet:
+    """Run every draw of the plan on `device` with a progress bar. Each draw's noise comes in chunks of
+    NOISE_CHUNK images seeded from the draw's seed, so the images do not depend on batch_size."""
+    models: dict[str, Precond] = {}
+    images, labels, source = [], [], []
+    with tqdm(total=sum(j.count for j in jobs), desc="synthesising", unit="img", disable=not progress) as bar:
+        for index, job in enumerate(jobs):
+            module = library.module(job.module_id)
+            if job.module_id not in models:
+                models[job.module_id] = module.model(device)
+            for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK)):
+                n = min(NOISE_CHUNK, job.count - start)
+                images.append(
+                    sample(
+                        models[job.module_id], n, labels=job.class_id if module.conditional else None, steps=steps,
+                        seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device,
+                    )
+                )  # fmt: skip
+                bar.update(n)
+            labels.append(np.full(job.count, job.class_id, dtype=np.int64))
+            source.append(np.full(job.count, index, dtype=np.int64))
+    if not jobs:
+        raise ValueError("the sampling plan is empty: the library covers no class")
+    return SyntheticSet(np.concatenate(images), np.concatenate(labels), np.concatenate(source), tuple(jobs))
+
+
+def class_balanced_set(library: Library, factory: FactorySection, seed: int, device: torch.device) -> SyntheticSet:
+    """The server's training set: factory.samples-per-class images of every class the library covers."""
+    return synthesise(
+        library, sampling_plan(library, factory.samples_per_class, seed), steps=factory.sampler_steps,
+        batch_size=factory.sample_batch_size, device=device,
+    )  # fmt: skip
+
+
+def save_synthetic(synthetic: SyntheticSet, path: Path) -> Path:
+    plan = json.dumps([dataclasses.asdict(j) for j in synthetic.jobs])
+    tensors = {"images": synthetic.images, "labels": synthetic.labels, "source": synthetic.source}
+    save_numpy_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"jobs": plan})
+    return path
+
+
+def load_synthetic(path: Path) -> SyntheticSet:
+    with safe_open(str(path), framework="numpy") as handle:
+        jobs = tuple(SampleJob(**j) for j in json.loads(handle.metadata()["jobs"]))
+    arrays = load_numpy_file(str(path))
+    if len(arrays["images"]) != sum(j.count for j in jobs) or arrays["source"].max(initial=-1) >= len(jobs):
+        raise ValueError(f"{path}: the stored images do not match the sampling plan in its header")
+    return SyntheticSet(arrays["images"], arrays["labels"], arrays["source"], jobs)
+
+
+# --- sample grids -------------------------------------------------------------------------------------------
+
+
+def tile(images: np.ndarray, columns: int) -> np.ndarray:
+    """(N, C, H, W) in [0, 1] -> one (rows*(H+1), columns*(W+1)[, C]) image, 1 px gaps, short rows padded;
+    images under 32 px are enlarged (nearest neighbour) so that a grid is readable."""
+    scale = max(1, 32 // images.shape[-1])
+    images = images.repeat(scale, axis=2).repeat(scale, axis=3)
+    n, channels, height, width = images.shape
+    rows = max(1, math.ceil(n / columns))
+    padded = np.zeros((rows * columns, channels, height + 1, width + 1), dtype=np.float32)
+    padded[:n, :, :height, :width] = images
+    grid = padded.reshape(rows, columns, channels, height + 1, width + 1).transpose(0, 3, 1, 4, 2)
+    grid = grid.reshape(rows * (height + 1), columns * (width + 1), channels)
+    return grid[..., 0] if channels == 1 else grid
+
+
+def save_class_grids(synthetic: SyntheticSet, directory: Path, per_class: int = 64) -> list[Path]:
+    """`directory/class-<id>.png`: the first `per_class` synthetic images of each class present, and
+    `directory/all-classes.png`: one row of 16 per class."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for class_id in np.unique(synthetic.labels):
+        images = synthetic.images[synthetic.labels == class_id][:per_class]
+        path = directory / f"class-{class_id}.png"
+        plt.imsave(path, tile(images, columns=8), cmap="gray", vmin=0, vmax=1)
+        paths.append(path)
+    rows = [tile(synthetic.images[synthetic.labels == c][:16], columns=16) for c in np.unique(synthetic.labels)]
+    plt.imsave(directory / "all-classes.png", np.concatenate(rows), cmap="gray", vmin=0, vmax=1)
+    return paths

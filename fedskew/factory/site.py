@@ -1,0 +1,224 @@
+"""What a FederatedFactory site does, as plain functions: train generators on its own images only,
+audit them for memorisation before anything leaves the site, and (P2P) train its own expert on
+its real images plus synthetic images of the classes it lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from fedskew.config import FactorySection, RunConfig
+from fedskew.data.sites import SiteData
+from fedskew.factory.classifier import ClassifierRecipe, train_classifier
+from fedskew.factory.timing import Elapsed, timed
+from fedskew.factory.library import (
+    GeneratorModule,
+    Library,
+    derived_seed,
+    module_id_for,
+    sampling_plan,
+    synthesise,
+)
+from fedskew.models.edm2 import (
+    CPU_PRESET,
+    GPU_PRESET_32PX,
+    GeneratorConfig,
+    Precond,
+    sample,
+    train_generator,
+    with_batch_for_class_size,
+)
+from fedskew.models.generator_io import state_dict_checksum
+
+GENERATOR_PRESETS = {"cpu": CPU_PRESET, "gpu-32px": GPU_PRESET_32PX}
+# A sample closer to a training image than this share of its distance to the nearest held-out image
+# counts as memorised (the rule bench/generator.py reports).
+MEMORIZATION_RATIO = 1 / 3
+
+
+class MemorizationRefusal(ValueError):
+    """The site will not upload: a generator's audit is above factory.max-memorization or impossible."""
+
+
+def generator_config(
+    factory: FactorySection, image_shape: tuple[int, int, int], label_dim: int, n_images: int, seed: int
+) -> GeneratorConfig:
+    """The preset adapted to the data: image size and channels, attention at the same levels, the
+    paper's batch rule for the class size, and the lr schedule scaled to the number of steps."""
+    preset = GENERATOR_PRESETS[factory.generator]
+    channels, height, width = image_shape
+    if height != width:
+        raise ValueError(f"generators need square images, got {height} x {width}; set run-config image-size")
+    steps = factory.generator_steps or preset.total_steps
+    # Attention stays at the same UNet levels as in the preset (level k works at side >> k).
+    attn = tuple(height >> preset.level_resolutions.index(r) for r in preset.attn_resolutions)
+    scale = steps / preset.total_steps
+    config = dataclasses.replace(
+        preset,
+        img_resolution=height,
+        img_channels=channels,
+        label_dim=label_dim,
+        attn_resolutions=attn,
+        total_images=steps * preset.batch_size,
+        t_ref=max(1, round(preset.t_ref * scale)),
+        t_rampup=round(preset.t_rampup * scale),
+        augment_flip=factory.augment != "none",
+        augment_rot90=factory.augment == "flip-rot90",
+        seed=seed,
+    )
+    sized = with_batch_for_class_size(config, n_images)
+    return dataclasses.replace(sized, total_images=steps * sized.batch_size)
+
+
+def held_classes(labels: np.ndarray, num_classes: int, min_images: int) -> list[int]:
+    """Classes with at least `min_images` training images at this site."""
+    counts = np.bincount(labels, minlength=num_classes)
+    return [int(c) for c in np.flatnonzero(counts >= min_images)]
+
+
+def nearest_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:
+    """L2 distance (pixel space) from each query image to its nearest reference image."""
+    q, r = queries.reshape(len(queries), -1).astype(np.float64), references.reshape(len(references), -1).astype(np.float64)
+    squared = (q**2).sum(1)[:, None] + (r**2).sum(1)[None, :] - 2 * q @ r.T
+    return np.sqrt(np.maximum(squared, 0).min(axis=1))
+
+
+def memorization_share(samples: np.ndarray, train: np.ndarray, heldout: np.ndarray) -> float:
+    """Share of samples whose nearest training image is closer than MEMORIZATION_RATIO x the distance
+    to their nearest held-out image; NaN when there is no held-out image to compare with."""
+    if len(heldout) == 0:
+        return float("nan")
+    ratio = nearest_distances(samples, train) / np.maximum(nearest_distances(samples, heldout), 1e-12)
+    return float((ratio < MEMORIZATION_RATIO).mean())
+
+
+def audit_generator(
+    model: Precond, class_ids: list[int], site: SiteData, factory: FactorySection, seed: int, device: torch.device
+) -> float:
+    """The module's memorisation score: the worst class's share (a conditional module models several)."""
+    shares = []
+    for class_id in class_ids:
+        samples = sample(
+            model, factory.audit_samples, labels=class_id if model.config.label_dim else None,
+            steps=factory.sampler_steps, seed=derived_seed(seed, class_id), batch_size=factory.sample_batch_size,
+            device=device,
+        )  # fmt: skip
+        train = site.train_images[site.train_labels == class_id]
+        heldout = site.val_images[site.val_labels == class_id]
+        shares.append(memorization_share(samples, train, heldout))
+    return float("nan") if any(np.isnan(shares)) else max(shares)
+
+
+def check_memorization(modules: list[GeneratorModule], max_memorization: float) -> None:
+    """Raise MemorizationRefusal naming every module above the limit or without an audit (limit 0 = off)."""
+    if max_memorization <= 0:
+        return
+    problems = [
+        f"{m.module_id}: no held-out image of class(es) {list(m.classes)} to audit against (raise val-fraction)"
+        if np.isnan(m.memorization)
+        else f"{m.module_id}: {m.memorization:.3f} of audit samples memorised"
+        for m in modules
+        if not m.memorization <= max_memorization
+    ]
+    if problems:
+        raise MemorizationRefusal(
+            f"site refuses to upload: factory.max-memorization = {max_memorization} is exceeded: " + "; ".join(problems)
+        )
+
+
+def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
+    """One unconditional generator per class held (or one conditional one), each audited; returns the
+    modules (EMA weights) and timing metrics. Raises MemorizationRefusal instead of returning modules
+    that fail the audit."""
+    factory = cfg.factory
+    classes = held_classes(site.train_labels, site.num_classes, factory.min_class_images)
+    if not classes:
+        raise ValueError(
+            f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "
+            f"training images (counts: {np.bincount(site.train_labels, minlength=site.num_classes).tolist()})"
+        )
+    counts = np.bincount(site.train_labels, minlength=site.num_classes)
+    image_shape = tuple(site.train_images.shape[1:])
+    conditional = factory.conditional
+    groups = [classes] if conditional else [[c] for c in classes]
+    modules, training, audit = [], Elapsed(), Elapsed()
+    for group in groups:
+        # Purpose tag 0 = generators; class id + 1 per unconditional module, 0 for the conditional one.
+        seed = derived_seed(cfg.seed, site.site_id, 0, 0 if conditional else group[0] + 1)
+        chosen = np.isin(site.train_labels, group)
+        config = generator_config(factory, image_shape, site.num_classes if conditional else 0, int(chosen.sum()), seed)
+        with timed(training):
+            model, stats = train_generator(
+                site.train_images[chosen], site.train_labels[chosen] if conditional else None, config,
+                progress=None, device=device,
+            )  # fmt: skip
+        with timed(audit):
+            score = audit_generator(model, group, site, factory, seed, device)
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        module_id = module_id_for(site.site_id, None if conditional else group[0])
+        modules.append(
+            GeneratorModule(
+                module_id, site.site_id, tuple(group), tuple(int(counts[c]) for c in group), config,
+                state_dict_checksum(state), score, state,
+            )
+        )  # fmt: skip
+        print(
+            f"site {site.site_id}: generator {module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
+            f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
+            flush=True,
+        )
+    check_memorization(modules, factory.max_memorization)
+    return modules, {**training.as_metrics("generator"), **audit.as_metrics("audit"), "modules": len(modules)}
+
+
+def lacking_classes(site: SiteData, library: Library) -> list[int]:
+    """Classes the library covers that none of this site's own modules model."""
+    own = {c for m in library.modules if m.site_id == site.site_id for c in m.classes}
+    return [c for c in library.covered_classes() if c not in own]
+
+
+def p2p_samples_per_class(site: SiteData, factory: FactorySection) -> int:
+    """The configured count, or (0) the mean number of real images per class the site holds."""
+    if factory.p2p_samples_per_class:
+        return factory.p2p_samples_per_class
+    counts = np.bincount(site.train_labels, minlength=site.num_classes)
+    return max(1, round(counts[counts > 0].mean()))
+
+
+def train_site_expert(
+    cfg: RunConfig, site: SiteData, library: Library, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """P2P: synthesise the classes the site lacks from the relayed library, train the site's own
+    classifier on its real training images plus those, return its weights and metrics."""
+    factory = cfg.factory
+    lacking = lacking_classes(site, library)
+    images, labels = site.train_images, site.train_labels
+    synthesis, training = Elapsed(), Elapsed()
+    if lacking:
+        plan = sampling_plan(
+            library, p2p_samples_per_class(site, factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking
+        )
+        with timed(synthesis):
+            synthetic = synthesise(
+                library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
+                progress=False,
+            )  # fmt: skip
+        images = np.concatenate([images, synthetic.images])
+        labels = np.concatenate([labels, synthetic.labels])
+    with timed(training):
+        model, stats = train_classifier(
+            images, labels, site.num_classes, ClassifierRecipe.from_section(factory),
+            val_fraction=factory.p2p_val_fraction, seed=derived_seed(cfg.seed, site.site_id, 2), device=device,
+        )  # fmt: skip
+    metrics = {
+        "num-examples": len(labels),
+        "real_images": len(site.train_labels),
+        "synthetic_images": len(labels) - len(site.train_labels),
+        "lacking_classes": len(lacking),
+        **synthesis.as_metrics("synthesis"),
+        **training.as_metrics("classifier"),
+        **{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+    }
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, metrics

@@ -1,0 +1,53 @@
+"""Site-side functions called by the ClientApp handlers, exercised without Flower."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.client_tasks import evaluate_site, received_etf, site_survey, train_site
+from fedskew.config import RunConfig
+from fedskew.data.sites import simulated_site
+from fedskew.models.build import build_model, server_etf
+from fedskew.models.fednca import etf_fingerprint, simplex_etf
+
+CFG = RunConfig.from_run_config({"method": "fednca", "batch-size": 64, "num-server-rounds": 2})
+
+
+def test_a_malformed_etf_is_refused_with_the_reason():
+    good = simplex_etf(10, 64, seed=0).numpy()
+    assert torch.equal(received_etf(good, 10), torch.from_numpy(good))
+    bent = good.copy()
+    bent[:, 0] = bent[:, 1]  # two identical prototypes: not equiangular
+    with pytest.raises(ValueError, match="cos"):
+        received_etf(bent, 10)
+    with pytest.raises(ValueError, match="shape"):
+        received_etf(good[:, :9], 10)
+    with pytest.raises(ValueError, match="refusing the server's ETF"):
+        received_etf(good.ravel(), 10)
+    nan = good.copy()
+    nan[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN|finite"):
+        received_etf(nan, 10)
+
+
+def test_fednca_site_round_trains_reports_etf_fingerprint_and_leaves_etf_out_of_the_update():
+    site = simulated_site(CFG, 0, 10)
+    etf = server_etf(CFG, site.num_classes, site.train_images.shape[1:])
+    torch.manual_seed(0)
+    state = build_model(CFG, site.num_classes, site.train_images.shape[1:], etf=etf).state_dict()
+    new_state, metrics = train_site(CFG, site, state, server_round=1, etf=etf.numpy())
+    assert set(new_state) == set(state)  # the ETF (non-persistent buffers) never travels back
+    assert not any("prototypes" in k or "queries" in k for k in new_state)
+    assert metrics["etf-crc32"] == etf_fingerprint(etf)
+    assert metrics["num-examples"] == len(site.train_labels)
+    assert any(not torch.equal(new_state[k], state[k]) for k in state)
+    val = evaluate_site(CFG, site, new_state, etf=etf.numpy())
+    assert set(val) == {"val_f1_macro", "val_f1_micro", "num-examples", "unit-weight"}
+
+
+def test_site_survey_reports_counts_only():
+    site = simulated_site(CFG, 3, 10)
+    survey = site_survey(CFG, site)
+    assert survey["site-id"] == 3 and survey["num-sites"] == 10
+    assert sum(np.array(survey["label-counts"]) == 0) >= CFG.missing_classes
+    assert len(survey["cooccurrence"]) == site.num_classes**2

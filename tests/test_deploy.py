@@ -1,0 +1,230 @@
+"""A real deployment on loopback: one SuperLink with TLS, SuperNode authentication and a state
+database (shared by the tests of this module), SuperNodes that read site folders written by
+`fedskew prepare-sites`, and `flwr run` through a TLS connection in the SuperLink's own FLWR_HOME.
+Certificates and keys come from docker/certs.sh and docker/keys.sh. Every process is stopped by
+its process group at the end of the test that started it. Also: the docker-compose files validate
+and only use flags the installed Flower accepts."""
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import flwr
+import pytest
+import yaml
+from cryptography import x509
+from flwr.common.config import parse_config_args
+
+from fedskew.cli import main as cli_main
+from fedskew.deploy import SuperLink, SuperNode, TlsFiles, node_config_arg
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+# One thread per process: three sites' ClientApps, the ServerApp and pytest share two cores.
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TINY = {"num-server-rounds": 2, "batch-size": 64, "min-site-size": 5, "local-epochs": 1}
+SITES = ["--sites", "3", "--dataset", "digits", "--mosaic-grid", "2", "--partition", "multilabel-skew",
+         "--alpha", "0.1", "--missing-classes", "3", "--seed", "0"]  # fmt: skip
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="needs openssl and ssh-keygen"
+)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    subprocess.run([str(DOCKER / "certs.sh"), str(root / "certs")], check=True, capture_output=True)
+    keys = ["site-0", "site-1", "site-2", "site-3", "intruder"]
+    subprocess.run([str(DOCKER / "keys.sh"), str(root / "keys"), *keys], check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sites")
+    assert cli_main(["prepare-sites", *SITES, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def link(tmp_path_factory, pki):
+    with SuperLink(tmp_path_factory.mktemp("superlink"), TlsFiles.in_folder(pki / "certs"), env=THREADS) as link:
+        for k in range(4):  # not the intruder
+            link.register(pki / "keys" / f"site-{k}.pub")
+        yield link
+
+
+@contextmanager
+def running_sites(link, pki, home, data_dirs):
+    nodes = [
+        SuperNode(link, home / f"node-{k}", {"data-dir": str(d), "site-id": k, "num-sites": len(data_dirs)},
+                  pki / "keys" / f"site-{k}", env=THREADS)
+        for k, d in enumerate(data_dirs)
+    ]  # fmt: skip
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_connected()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _only_run_dir(results_dir):
+    (run,) = [p for p in results_dir.iterdir() if p.is_dir()]
+    return run
+
+
+def test_certs_sh_writes_a_server_certificate_for_every_name_the_clients_use(pki):
+    cert = x509.load_pem_x509_certificate((pki / "certs" / "server.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"superlink", "localhost"} <= set(sans.get_values_for_type(x509.DNSName))
+    assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    again = subprocess.run([str(DOCKER / "certs.sh"), str(pki / "certs")], capture_output=True, text=True)
+    assert again.returncode != 0 and "already holds a CA" in again.stderr
+
+
+def test_an_unregistered_supernode_is_refused(link, pki, sites, tmp_path):
+    intruder = SuperNode(link, tmp_path, {"data-dir": str(sites / "site-0")}, pki / "keys" / "intruder", max_retries=0)
+    try:
+        assert intruder.start().wait_exit(timeout=90) != 0
+        assert "Failed to activate SuperNode" in intruder.process.log_text()
+        assert intruder.node_id is None
+    finally:
+        intruder.stop()
+
+
+@pytest.mark.parametrize("method", ["fednca"])
+def test_three_tls_sites_complete_a_run_and_results_are_written(link, pki, sites, tmp_path, method):
+    results = tmp_path / "results"
+    with running_sites(link, pki, tmp_path, [sites / f"site-{k}" for k in range(3)]) as nodes:
+        # val-fraction 0: train messages only (each message starts a ClientApp process: ~5 CPU-s).
+        run_id = link.submit({**TINY, "method": method, "val-fraction": 0.0, "min-available-sites": 3,
+                              "round-timeout": 300.0, "results-dir": str(results),
+                              "test-data": str(sites / "server-test")})  # fmt: skip
+        outcome = link.wait(run_id, timeout=400)
+        node_ids = {str(node.node_id) for node in nodes}
+    assert outcome.completed, outcome.output[-4000:]
+    run = _only_run_dir(results)
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert 0.0 <= rounds[-1]["test"]["f1_macro"] <= 1.0 and "train_loss" in rounds[-1]["train"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["dropped"] == []
+    assert set(summary["bytes"]["received_per_site"]) == node_ids
+    partition = json.loads((run / "partition.json").read_text())
+    assert sorted(s["site-id"] for s in partition["sites"]) == [0, 1, 2]
+    # The label counts the sites reported are those of the folders prepare-sites wrote.
+    written = [(sites / f"site-{k}" / "labels.csv").read_text().count("\n") - 1 for k in range(3)]
+    assert [s["train-size"] + s["val-size"] for s in sorted(partition["sites"], key=lambda s: s["site-id"])] == written
+    # A real deployment moves real bytes (a simulation lists 0).
+    assert outcome.listing["network-traffic"]["total-bytes"] > 0
+
+
+def test_a_run_completes_without_a_killed_site_and_a_site_with_broken_data(link, pki, sites, tmp_path):
+    broken = tmp_path / "broken-site"
+    broken.mkdir()
+    (broken / "labels.csv").write_text("file,labels\nscan-001.png,seven\n")
+    results = tmp_path / "results"
+    data_dirs = [sites / "site-0", sites / "site-1", sites / "site-2", broken]
+    with running_sites(link, pki, tmp_path, data_dirs) as nodes:
+        # No local validation split, so only train messages. The killed site's round-2 message ends
+        # with an "unavailable" error once its heartbeat lapses (about a minute), well inside the timeout.
+        run_id = link.submit({**TINY, "method": "fedavg", "val-fraction": 0.0, "min-available-sites": 2,
+                              "round-timeout": 150.0, "results-dir": str(results)})  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not _round_done(results, 1) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _round_done(results, 1), "round 1 never finished"
+        killed, broken_node = nodes[2], nodes[3]
+        killed_id, broken_id = killed.node_id, broken_node.node_id
+        killed.kill()  # SIGKILL: a crash, the SuperLink is not told
+        outcome = link.wait(run_id, timeout=400)
+    assert outcome.completed, outcome.output[-4000:]
+    run = _only_run_dir(results)
+    assert [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    # The broken site answered every message with the clear error, recorded per round.
+    reasons = [d["reason"] for d in summary["dropped"] if d["site"] == str(broken_id)]
+    assert reasons and all("line 2: labels 'seven' are not class ids" in r for r in reasons)
+    assert f"site {broken_id} failed the survey" in outcome.output and "broken-site" in outcome.output
+    # Round 2 aggregated the two live sites: the killed one sent one model (round 1), they sent two.
+    received = summary["bytes"]["received_per_site"]
+    live = [str(n.node_id) for n in nodes[:2]]
+    assert received[str(killed_id)] < min(received[n] for n in live)
+    assert "aggregate_train: Received 2 results" in outcome.output
+    # The killed site's round-2 message ended with the SuperLink's "node unavailable" error once its
+    # heartbeat lapsed; the record names the killed site, not the SuperLink that answered for it.
+    assert [(d["round"], d["site"]) for d in summary["dropped"] if "heartbeat" in d["reason"]] == [
+        (2, str(killed_id))
+    ], summary["dropped"]
+
+
+def _round_done(results: Path, server_round: int) -> bool:
+    for metrics in results.glob("*/metrics.jsonl"):
+        if any(json.loads(line)["round"] >= server_round for line in metrics.read_text().splitlines() if line):
+            return True
+    return False
+
+
+# --- docker ----------------------------------------------------------------------------------------------
+
+COMPOSE_FILES = [["compose.yml"], ["compose.tls.yml"], ["compose.yml", "compose.gpu.yml"]]
+EXECUTABLE = {"superlink": "flower-superlink", "supernode": "flower-supernode", "superexec": "flower-superexec"}
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+@pytest.mark.parametrize("files", COMPOSE_FILES, ids="+".join)
+def test_compose_files_validate(files):
+    args = [arg for name in files for arg in ("-f", str(DOCKER / name))]
+    checked = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.fixture(scope="module")
+def accepted():
+    """Each Flower executable's flags, as its --help lists them."""
+    shown = {kind: subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60).stdout
+             for kind, exe in EXECUTABLE.items()}  # fmt: skip
+    return {kind: set(re.findall(r"(--[a-z][a-z0-9-]*)", text)) for kind, text in shown.items()}
+
+
+@pytest.mark.parametrize("name", ["compose.yml", "compose.tls.yml"])
+def test_every_service_command_uses_flags_the_installed_flower_accepts(name, accepted):
+    services = yaml.safe_load((DOCKER / name).read_text())["services"]
+    sites = 0
+    for service, spec in services.items():
+        kind = service.split("-")[0]
+        command = [str(token) for token in spec["command"]]
+        unknown = [t for t in command if t.startswith("--") and t.split("=")[0] not in accepted[kind]]
+        assert not unknown, f"{name} {service}: {EXECUTABLE[kind]} does not accept {unknown}"
+        if "--isolation" in command:
+            assert command[command.index("--isolation") + 1] == "process"
+        if kind == "supernode":
+            node_config = parse_config_args([command[command.index("--node-config") + 1]])
+            assert node_config["data-dir"] == "/data/site" and node_config["site-id"] == sites
+            sites += 1
+        if "image" in spec and "flwr/" in spec["image"]:
+            assert spec["image"].endswith(f"{flwr.__version__}}}"), f"{service} image tag != installed flwr"
+    assert sites == 3
+
+
+def test_the_app_image_extends_the_installed_flower_superexec():
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert f"ARG FLWR_VERSION={flwr.__version__}" in dockerfile and "FROM flwr/superexec:${FLWR_VERSION}" in dockerfile
+    assert 'ENTRYPOINT ["flower-superexec"]' in dockerfile
+
+
+def test_node_config_strings_round_trip_through_flowers_parser(tmp_path):
+    config = {"data-dir": str(tmp_path / "site with space"), "site-id": 2, "num-sites": 3}
+    assert parse_config_args([node_config_arg(config)]) == config
+    with pytest.raises(ValueError, match="single quote"):
+        node_config_arg({"data-dir": "/it's"})

@@ -1,0 +1,232 @@
+"""Site data folders: what prepare-sites writes is what a deployed site reads (the same partition and
+validation split as simulation), and a missing, empty or malformed folder is a clear error."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedskew.cli import main as cli_main
+from fedskew.client_tasks import load_site, site_survey
+from fedskew.config import RunConfig
+from fedskew.data.site_folder import (
+    DeployedSite,
+    SiteFolderError,
+    load_test_set,
+    prepare_sites,
+    read_labelled_folder,
+    write_labelled_folder,
+)
+from fedskew.data.sites import load_task_dataset, simulated_site
+from fedskew.data.sources import DataSourceError
+from fedskew.results import RunRecorder
+from fedskew.server_tasks import agreed_task_shape, load_server_test_set, make_evaluate_fn
+
+CFG = RunConfig.from_run_config({"method": "fedavg", "val-fraction": 0.2})
+SINGLE = RunConfig.from_run_config({"method": "fedavg", "mosaic-grid": 0, "partition": "iid"})
+PNG_STEP = 1 / 255
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sites")
+    prepare_sites(CFG, 3, out / "png", "png")
+    prepare_sites(CFG, 3, out / "npz", "npz")
+    return out
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("png", PNG_STEP / 2 + 1e-6), ("npz", 0.0)])
+def test_a_prepared_site_reads_back_as_its_simulated_twin(prepared, fmt, tolerance):
+    for k in range(3):
+        deployed = load_site(CFG, {"data-dir": str(prepared / fmt / f"site-{k}"), "site-id": k, "num-sites": 3})
+        simulated = simulated_site(CFG, k, 3)
+        assert isinstance(deployed, DeployedSite) and (deployed.site_id, deployed.num_sites) == (k, 3)
+        np.testing.assert_array_equal(deployed.train_labels, simulated.train_labels)
+        np.testing.assert_array_equal(deployed.val_labels, simulated.val_labels)
+        assert np.abs(deployed.train_images - simulated.train_images).max() <= tolerance
+        assert np.abs(deployed.val_images - simulated.val_images).max() <= tolerance
+        assert deployed.class_names == simulated.class_names and deployed.num_classes == 10
+
+
+def test_the_server_test_folder_holds_the_test_split(prepared):
+    dataset = load_task_dataset(CFG)
+    test = load_test_set(CFG, prepared / "npz" / "server-test")
+    np.testing.assert_array_equal(test.test_images, dataset.test_images)
+    np.testing.assert_array_equal(test.test_labels, dataset.test_labels)
+    assert len(test.train_images) == 0 and test.image_shape == dataset.image_shape
+
+
+def test_a_deployed_sites_survey_reports_no_partition_and_the_task_shape(prepared):
+    site = load_site(CFG, {"data-dir": str(prepared / "png" / "site-1"), "site-id": 1, "num-sites": 3})
+    survey = site_survey(CFG, site)
+    assert survey["unassigned"] == 0 and survey["num-classes"] == 10 and survey["image-shape"] == [1, 16, 16]
+    assert sum(survey["label-counts"]) == site.train_labels.sum()
+
+
+def test_prepare_sites_cli_writes_folders_and_refuses_to_overwrite(tmp_path, capsys):
+    args = ["prepare-sites", "--sites", "2", "--mosaic-grid", "0", "--partition", "dirichlet", "--alpha", "0.5",
+            "--out", str(tmp_path), "--format", "npz"]  # fmt: skip
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "site-0" in printed and "server-test" in printed and "data-dir=" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server-test", "site-0", "site-1"]
+    cfg = RunConfig.from_run_config({"mosaic-grid": 0, "partition": "dirichlet", "alpha": 0.5, "method": "fedavg"})
+    site = load_site(cfg, {"data-dir": str(tmp_path / "site-1"), "site-id": 1, "num-sites": 2})
+    twin = simulated_site(cfg, 1, 2)
+    np.testing.assert_array_equal(site.train_labels, twin.train_labels)
+    assert cli_main(args) == 2
+    assert "already holds non-empty" in capsys.readouterr().err
+    assert cli_main(["prepare-sites", "--sites", "2", "--out", str(tmp_path / "x"), "--alpha", "-1"]) == 2
+    assert "key 'alpha' = -1.0 is invalid" in capsys.readouterr().err
+
+
+# --- hand-made folders ---------------------------------------------------------------------------------
+
+
+def _png_site(folder, rows, classes=None, size=4, header=("file", "labels")):
+    (folder / "images").mkdir(parents=True)
+    for name, _ in rows:
+        Image.fromarray(np.full((size, size), 128, dtype=np.uint8)).save(folder / "images" / name)
+    with (folder / "labels.csv").open("w", newline="") as handle:
+        csv.writer(handle).writerows([header, *rows])
+    if classes:
+        (folder / "classes.txt").write_text("\n".join(classes) + "\n")
+    return folder
+
+
+def test_a_multilabel_png_folder_reads_ids_into_multi_hot_over_all_classes(tmp_path):
+    site = _png_site(tmp_path, [("a.png", "0|2"), ("b.png", ""), ("c.png", "1")], classes=["x", "y", "z", "w"])
+    data = read_labelled_folder(site, multilabel=True)
+    np.testing.assert_array_equal(data.labels, [[1, 0, 1, 0], [0, 0, 0, 0], [0, 1, 0, 0]])
+    assert data.images.shape == (3, 1, 4, 4) and np.allclose(data.images, 128 / 255)
+    assert data.class_names == ("x", "y", "z", "w")
+    # Without classes.txt the run config names the label space; the site may lack the highest classes.
+    (site / "classes.txt").unlink()
+    assert read_labelled_folder(site, multilabel=True, num_classes=6).labels.shape == (3, 6)
+    assert read_labelled_folder(site, multilabel=True, num_classes=6, image_size=8).images.shape == (3, 1, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "rows, classes, header, message",
+    [
+        ([("a.png", "1")], ["x", "y"], ("name", "label"), "line 1 is ['name', 'label']; expected the header 'file,labels'"),
+        ([("a.png", "0"), ("b.png", "one")], ["x", "y"], None, "line 3: labels 'one' are not class ids"),
+        ([("a.png", "0"), ("b.png", "5")], ["x", "y"], None, "line 3: class id 5 is out of range; there are 2 classes, valid ids: 0..1"),
+        ([("a.png", "0"), ("a.png", "1")], ["x", "y"], None, "line 3: 'a.png' is already labelled on line 2"),
+        ([("../a.png", "0")], ["x", "y"], None, "line 2: file '../a.png' is not a plain path under images/"),
+        ([("a.png", "0")], None, None, "the number of classes is unknown"),
+        ([], ["x", "y"], None, "has a header but no rows"),
+    ],
+)
+def test_a_malformed_labels_csv_names_the_line_and_what_is_valid(tmp_path, rows, classes, header, message):
+    site = _png_site(tmp_path, rows, classes=classes, **({"header": header} if header else {}))
+    with pytest.raises(SiteFolderError, match="labels.csv|number of classes") as err:
+        read_labelled_folder(site, multilabel=True)
+    assert message in str(err.value)
+
+
+def test_a_single_label_run_refuses_several_labels_on_one_line(tmp_path):
+    site = _png_site(tmp_path, [("a.png", "0"), ("b.png", "0|1")], classes=["x", "y"])
+    with pytest.raises(SiteFolderError, match=r"line 3: labels '0\|1' are not exactly one class id.*single-label"):
+        read_labelled_folder(site, multilabel=False)
+    assert read_labelled_folder(site, multilabel=True).labels.shape == (2, 2)
+
+
+def test_missing_unlabelled_unreadable_and_mismatched_images_are_named(tmp_path):
+    site = _png_site(tmp_path / "a", [("a.png", "0"), ("b.png", "1")], classes=["x", "y"])
+    (site / "images" / "b.png").unlink()
+    with pytest.raises(SiteFolderError, match=r"line 3 names 'b.png', but .*b.png does not exist"):
+        read_labelled_folder(site, multilabel=False)
+    site = _png_site(tmp_path / "b", [("a.png", "0")], classes=["x", "y"])
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(site / "images" / "stray.png")
+    with pytest.raises(SiteFolderError, match=r"holds 1 file\(s\) that labels.csv does not label \(e.g. stray.png\)"):
+        read_labelled_folder(site, multilabel=False)
+    site = _png_site(tmp_path / "c", [("a.png", "0"), ("b.png", "1")], classes=["x", "y"])
+    (site / "images" / "b.png").write_bytes(b"not a png")
+    with pytest.raises(SiteFolderError, match=r"b.png \(line 3 of .*\) is not a readable image"):
+        read_labelled_folder(site, multilabel=False)
+    site = _png_site(tmp_path / "d", [("a.png", "0"), ("b.png", "1")], classes=["x", "y"])
+    Image.fromarray(np.zeros((5, 5, 3), np.uint8)).save(site / "images" / "b.png")
+    with pytest.raises(SiteFolderError, match=r"has shape \(3, 5, 5\) \(C, H, W\) but the image on line 2 has \(1, 4, 4\)"):
+        read_labelled_folder(site, multilabel=False)
+
+
+def test_a_missing_empty_or_ambiguous_data_dir_is_a_clear_error_at_load_site(tmp_path):
+    with pytest.raises(SiteFolderError, match=r"site data dir .*nowhere does not exist"):
+        load_site(CFG, {"data-dir": str(tmp_path / "nowhere")})
+    with pytest.raises(SiteFolderError, match=r"has no labels.csv and no site.npz \(found: nothing\); valid: 'images/'"):
+        load_site(CFG, {"data-dir": str(tmp_path)})
+    (tmp_path / "labels.csv").write_text("file,labels\n")
+    (tmp_path / "site.npz").write_bytes(b"")
+    with pytest.raises(SiteFolderError, match="holds both labels.csv and site.npz; keep exactly one layout"):
+        load_site(CFG, {"data-dir": str(tmp_path)})
+    with pytest.raises(SiteFolderError, match=r"site-id = 3 with num-sites = 3; valid site ids: 0..2"):
+        load_site(CFG, {"data-dir": str(tmp_path), "site-id": 3, "num-sites": 3})
+
+
+def test_a_site_npz_must_match_the_runs_label_kind(tmp_path):
+    images, labels = np.random.default_rng(0).random((6, 1, 4, 4), dtype=np.float32), np.arange(6) % 3
+    write_labelled_folder(tmp_path / "single", images, labels, ("a", "b", "c"), "npz")
+    with pytest.raises(SiteFolderError, match="holds class ids but this run is multi-label"):
+        read_labelled_folder(tmp_path / "single", multilabel=True)
+    data = read_labelled_folder(tmp_path / "single", multilabel=False)
+    np.testing.assert_array_equal(data.images, images)
+    np.testing.assert_array_equal(data.labels, labels)
+    with pytest.raises(SiteFolderError, match="run-config num-classes = 4 but class names = 3; they must agree"):
+        read_labelled_folder(tmp_path / "single", multilabel=False, num_classes=4)
+    with pytest.raises(SiteFolderError, match="exists and is not empty"):
+        write_labelled_folder(tmp_path / "single", images, labels, ("a", "b", "c"))
+
+
+def test_a_corrupted_medmnist_file_at_a_site_fails_its_md5_check(tmp_path):
+    cfg = RunConfig.from_run_config({"method": "fedavg", "dataset": "medmnist:pathmnist", "mosaic-grid": 0, "partition": "iid"})
+    np.savez(tmp_path / "pathmnist.npz", train_images=np.zeros((2, 28, 28, 3), np.uint8))
+    with pytest.raises(DataSourceError, match=r"pathmnist.npz has MD5 [0-9a-f]{32} but the official pathmnist.npz has MD5"):
+        load_site(cfg, {"data-dir": str(tmp_path)})
+    with pytest.raises(DataSourceError, match="MD5"):
+        load_site(cfg, {"data-dir": str(tmp_path), "partition-id": 0, "num-partitions": 2})
+
+
+# --- the server's side of a deployment -------------------------------------------------------------------
+
+
+def test_server_test_data_by_run_config(prepared):
+    assert load_server_test_set(CFG.model_copy(update={"test_data": "federated"})) is None
+    assert load_server_test_set(CFG).name == load_task_dataset(CFG).name
+    folder = load_server_test_set(CFG.model_copy(update={"test_data": str(prepared / "png" / "server-test")}))
+    assert folder.num_classes == 10 and len(folder.test_labels) == len(load_task_dataset(CFG).test_labels)
+    with pytest.raises(ValueError, match="key 'num-classes' = 7 is invalid"):
+        load_server_test_set(CFG.model_copy(update={"num_classes": 7}))
+
+
+def test_the_task_shape_comes_from_agreeing_sites_or_the_server_test_data():
+    survey = {11: {"num-classes": 10, "image-shape": [1, 16, 16]}, 12: {"num-classes": 10, "image-shape": [1, 16, 16]}}
+    shape = agreed_task_shape(CFG, survey, None)
+    assert (shape.num_classes, shape.image_shape, shape.multilabel) == (10, (1, 16, 16), True)
+    test = load_task_dataset(CFG)
+    assert agreed_task_shape(CFG, survey, test) is test
+    survey[13] = {"num-classes": 9, "image-shape": [1, 16, 16]}
+    with pytest.raises(ValueError, match=r"sites disagree with .*site 13: 9 classes, images \(1, 16, 16\)"):
+        agreed_task_shape(CFG, survey, test)
+    with pytest.raises(RuntimeError, match="no site answered the survey"):
+        agreed_task_shape(CFG, {}, None)
+
+
+def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
+    import torch
+    from flwr.app import ArrayRecord
+
+    recorder = RunRecorder.create(CFG, multilabel=True, base=tmp_path)
+    metrics = lambda: ({"train_loss": 0.5}, {"val_f1_macro": 0.25})  # noqa: E731
+    evaluate_fn = make_evaluate_fn(torch.nn.Linear(1, 1), None, torch.device("cpu"), recorder, metrics)
+    assert len(evaluate_fn(1, ArrayRecord({"w": torch.ones(2)}))) == 0
+    (entry,) = recorder.rounds
+    assert entry["val"] == {"val_f1_macro": 0.25} and entry["test"] == {} and entry["train"]["train_loss"] == 0.5
+    assert json.loads((recorder.path / "checkpoint.json").read_text())["round"] == 1
+    # A resumed run continues the numbering and does not record its starting model again.
+    resumed = make_evaluate_fn(torch.nn.Linear(1, 1), None, torch.device("cpu"), recorder, metrics, round_offset=1)
+    resumed(0, ArrayRecord({"w": torch.ones(2)}))
+    resumed(1, ArrayRecord({"w": torch.ones(2)}))
+    assert [r["round"] for r in recorder.rounds] == [1, 2]
