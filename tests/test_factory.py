@@ -110,7 +110,7 @@ def make_module(site_id: int, class_id: int, count: int = 20, seed: int = 0) -> 
 
 
 def upload_of(*modules: GeneratorModule) -> tuple[dict, dict]:
-    meta = {"site-id": modules[0].site_id, "modules": [m.metadata() for m in modules]}
+    meta = {"site-id": modules[0].site_id, "image-shape": [1, 8, 8], "modules": [m.metadata() for m in modules]}
     return meta, {m.module_id: {k: v.clone() for k, v in m.state.items()} for m in modules}
 
 
@@ -150,6 +150,10 @@ def _memorised(meta, states):
     meta["modules"][0]["memorization"] = 0.9
 
 
+def _site_images_of_another_shape(meta, states):
+    meta["image-shape"] = [3, 8, 8]
+
+
 def _other_site(meta, states):
     meta["modules"][0]["site-id"] = 2
 
@@ -172,6 +176,7 @@ def _path_in_module_id(meta, states):
         (_wider_config, "checksum mismatch|shape"),
         (_other_image_shape, r"run's images are \(1, 8, 8\)"),
         (_memorised, "exceeds factory.max-memorization"),
+        (_site_images_of_another_shape, r"the site's images are \[3, 8, 8\]"),
         (_other_site, "claim another site"),
         (_missing_weights, "weights came for"),
         (_path_in_module_id, "module id '../evil' is invalid"),

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.models.backbones import Classifier, ResNet18, SmallCNN
+from fedskew.models.backbones import Classifier, ResNet, SmallCNN
 from fedskew.training import evaluate, make_loader, pick_device, sgd, train_local
 
 
@@ -45,7 +45,8 @@ def test_proximal_term_keeps_weights_closer_to_the_global_model():
 def test_backbones_expose_a_feature_map():
     x = torch.randn(2, 3, 16, 16)
     assert SmallCNN(3).forward_features(x).shape == (2, 64, 8, 8)
-    assert ResNet18(3).forward_features(x).shape == (2, 512, 2, 2)
+    assert ResNet(18, 3).forward_features(x).shape == (2, 512, 2, 2)
+    assert ResNet(50, 3).forward_features(x).shape == (2, 2048, 2, 2)
 
 
 def test_cuda_request_without_cuda_is_a_clear_error():

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.models import resnet50
 
 from fedskew.config import FactorySection
 from fedskew.factory.library import UploadRejected
@@ -26,7 +25,6 @@ from fedskew.training import LossFn, evaluate, make_loader, train_local
 
 # log(1e-12): an expert that rules a class out cannot veto it by more than this.
 LOG_PROB_FLOOR = math.log(1e-12)
-SMALL_IMAGE_SIDE = 96
 
 
 @dataclass(frozen=True)
@@ -47,29 +45,8 @@ class ClassifierRecipe:
         )  # fmt: skip
 
 
-class ResNet50(nn.Module):
-    """torchvision ResNet-50 with the paper's small-image stem (3x3 stride-1 conv, no max-pool) below 96 px."""
-
-    def __init__(self, in_channels: int, small_images: bool):
-        super().__init__()
-        net = resnet50(weights=None)
-        if small_images:
-            net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-            net.maxpool = nn.Identity()
-        elif in_channels != 3:
-            net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
-        self.feature_dim = 2048
-        self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
-        self.stages = nn.Sequential(net.layer1, net.layer2, net.layer3, net.layer4)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stages(self.stem(x))
-
-
 def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int) -> Classifier:
     channels, height, _ = image_shape
-    if arch == "resnet50":
-        return Classifier(ResNet50(channels, small_images=height < SMALL_IMAGE_SIDE), num_classes)
     return Classifier(build_backbone(arch, channels, height), num_classes)
 
 

@@ -185,10 +185,12 @@ def validate_upload(
     image_shape: tuple[int, int, int],
     max_memorization: float = 0.0,
 ) -> list[GeneratorModule]:
-    """One site's upload ({"site-id", "modules": [module metadata]}) after every check: all modules
-    valid and all from the uploading site."""
+    """One site's upload ({"site-id", "image-shape", "modules": [module metadata]}) after every check: the
+    site's images have the run's shape, all modules are valid and all come from the uploading site."""
     if not isinstance(meta, dict):
         raise UploadRejected(f"upload metadata must be a JSON object, got {type(meta).__name__}")
+    if meta.get("image-shape") != list(image_shape):
+        raise UploadRejected(f"the site's images are {meta.get('image-shape')!r} (C, H, W); the run's are {list(image_shape)}")
     modules = validate_modules(
         meta.get("modules"), states, num_classes=num_classes, image_shape=image_shape, max_memorization=max_memorization
     )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision.models import resnet18
+from torchvision.models import resnet18, resnet50
 
-BACKBONES = ("small-cnn", "resnet18")
+BACKBONES = ("small-cnn", "resnet18", "resnet50")
+SMALL_IMAGE_SIDE = 96
+RESNETS = {18: (resnet18, 512), 50: (resnet50, 2048)}  # depth -> (torchvision constructor, feature dim)
 
 
 def conv_bn_relu(in_channels: int, out_channels: int, stride: int = 1) -> nn.Sequential:
@@ -38,18 +40,18 @@ class SmallCNN(nn.Module):
         return self.features(x)
 
 
-class ResNet18(nn.Module):
-    """torchvision ResNet-18; small images (< 96 px) get the CIFAR stem: 3x3 stride-1 conv, no max-pool."""
+class ResNet(nn.Module):
+    """A torchvision ResNet trunk; small images (< 96 px) get the CIFAR stem: 3x3 stride-1 conv, no max-pool."""
 
-    def __init__(self, in_channels: int, small_images: bool = True):
+    def __init__(self, depth: int, in_channels: int, small_images: bool = True):
         super().__init__()
-        net = resnet18(weights=None)
+        constructor, self.feature_dim = RESNETS[depth]
+        net = constructor(weights=None)
         if small_images:
             net.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
             net.maxpool = nn.Identity()
         elif in_channels != 3:
             net.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
-        self.feature_dim = 512
         self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
         self.stages = nn.Sequential(net.layer1, net.layer2, net.layer3, net.layer4)
 
@@ -60,8 +62,8 @@ class ResNet18(nn.Module):
 def build_backbone(name: str, in_channels: int, image_size: int) -> nn.Module:
     if name == "small-cnn":
         return SmallCNN(in_channels)
-    if name == "resnet18":
-        return ResNet18(in_channels, small_images=image_size < 96)
+    if name in ("resnet18", "resnet50"):
+        return ResNet(int(name[len("resnet"):]), in_channels, small_images=image_size < SMALL_IMAGE_SIDE)
     raise ValueError(f"unknown backbone {name!r}; valid: {', '.join(BACKBONES)}")
 
 

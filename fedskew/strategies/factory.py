@@ -95,7 +95,8 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     """Round 1 at a site: train and audit its generators; raises MemorizationRefusal instead of uploading
     a generator above factory.max-memorization."""
     modules, metrics = train_site_generators(cfg, site, device)
-    content = encode_modules({"site-id": site.site_id, "modules": [m.metadata() for m in modules]}, modules)
+    manifest = {"site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules]}
+    content = encode_modules(manifest, modules)
     content[METRICS_KEY] = MetricRecord({**metrics, "site-id": site.site_id})
     return content
 
