@@ -58,8 +58,8 @@ class FactorySection(_Section):
     synthetic data; P2P: site experts combined as a Product of Experts)."""
 
     conditional: bool = Field(
-        False, description="One class-conditional generator per site instead of one unconditional generator per "
-        "(site, class) (the paper's choice)."
+        False, description="One class-conditional generator per site instead of the paper's one unconditional "
+        "generator per (site, class)."
     )
     generator: Literal["cpu", "gpu-32px"] = Field(
         "cpu", description="EDM2 preset: `cpu` (16 channels, 2 levels) or the paper's `gpu-32px` (128 channels, "
