@@ -29,6 +29,12 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TINY = {"num-server-rounds": 2, "batch-size": 64, "min-site-size": 5, "local-epochs": 1}
 SITES = ["--sites", "3", "--dataset", "digits", "--mosaic-grid", "2", "--partition", "multilabel-skew",
          "--alpha", "0.1", "--missing-classes", "3", "--seed", "0"]  # fmt: skip
+# FederatedFactory needs single-label sites; four classes each keeps the generator count (and time) small.
+FACTORY_SITES = ["--sites", "3", "--dataset", "digits", "--mosaic-grid", "0", "--partition", "classes-per-site",
+                 "--classes-per-site", "4", "--seed", "0"]  # fmt: skip
+TINY_FACTORY = {"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.generator-steps": 4, "factory.audit-samples": 8,
+                "factory.sampler-steps": 3, "factory.samples-per-class": 24, "factory.classifier": "small-cnn",
+                "factory.classifier-epochs": 2}  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="needs openssl and ssh-keygen"
@@ -48,6 +54,13 @@ def pki(tmp_path_factory):
 def sites(tmp_path_factory):
     out = tmp_path_factory.mktemp("sites")
     assert cli_main(["prepare-sites", *SITES, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def factory_sites(tmp_path_factory):
+    out = tmp_path_factory.mktemp("factory-sites")
+    assert cli_main(["prepare-sites", *FACTORY_SITES, "--out", str(out)]) == 0
     return out
 
 
@@ -126,6 +139,31 @@ def test_three_tls_sites_complete_a_run_and_results_are_written(link, pki, sites
     assert [s["train-size"] + s["val-size"] for s in sorted(partition["sites"], key=lambda s: s["site-id"])] == written
     # A real deployment moves real bytes (a simulation lists 0).
     assert outcome.listing["network-traffic"]["total-bytes"] > 0
+
+
+def test_a_tiny_factory_run_over_tls_uploads_every_sites_generators(link, pki, factory_sites, tmp_path):
+    results = tmp_path / "results"
+    with running_sites(link, pki, tmp_path, [factory_sites / f"site-{k}" for k in range(3)]) as nodes:
+        run_id = link.submit({**TINY_FACTORY, "min-available-sites": 3, "round-timeout": 300.0,
+                              "results-dir": str(results), "test-data": str(factory_sites / "server-test")})  # fmt: skip
+        outcome = link.wait(run_id, timeout=400)
+        node_ids = {str(node.node_id) for node in nodes}
+    assert outcome.completed, outcome.output[-4000:]
+    run = _only_run_dir(results)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["dropped"] == []
+    factory = summary["factory"]
+    assert factory["rejected"] == [] and factory["missing_classes"] == []
+    manifest = json.loads((run / "library" / "manifest.json").read_text())
+    modules = sorted((m["site-id"], m["classes"][0]) for m in manifest["modules"])
+    assert sorted({site for site, _ in modules}) == [0, 1, 2] and len(modules) == 12, modules
+    assert all((run / "library" / f"{m['module-id']}.safetensors").is_file() for m in manifest["modules"])
+    # Every site uploaded: the bytes the SuperLink received from each are at least its generators' size.
+    assert set(summary["bytes"]["received_per_site"]) == node_ids
+    assert 0.0 <= factory["server_test"]["accuracy"] <= 1.0
+    assert outcome.listing["network-traffic"]["total-bytes"] > sum(
+        (run / "library" / f"{m['module-id']}.safetensors").stat().st_size for m in manifest["modules"]
+    )
 
 
 def test_a_run_completes_without_a_killed_site_and_a_site_with_broken_data(link, pki, sites, tmp_path):

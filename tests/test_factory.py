@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
@@ -31,6 +32,7 @@ from fedskew.factory.library import (
 from fedskew.factory.site import MemorizationRefusal, check_memorization, generator_config, memorization_share
 from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
+from fedskew.strategies.factory import decode_modules, encode_modules
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum
 
@@ -116,6 +118,33 @@ def upload_of(*modules: GeneratorModule) -> tuple[dict, dict]:
 
 def validate(meta, states, **overrides):
     return validate_upload(meta, states, **{"num_classes": 10, "image_shape": (1, 8, 8), **overrides})
+
+
+def test_an_upload_crosses_the_wire_as_one_array_per_generator_and_decodes_to_the_same_weights():
+    modules = [make_module(1, 3), make_module(1, 5, seed=1)]
+    meta, _ = upload_of(*modules)
+    content = encode_modules(meta, modules)
+    # One packed array per generator keeps the object count (one SuperLink request each) small.
+    assert [list(content[k]) for k in content.array_records] == [["safetensors"], ["safetensors"]]
+    manifest, states = decode_modules(content)
+    assert manifest == meta
+    for module in modules:
+        assert all(torch.equal(states[module.module_id][k], v) for k, v in module.state.items())
+    assert [m.module_id for m in validate(manifest, states)] == ["site1-class3", "site1-class5"]
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        (lambda state: ArrayRecord(state), "expected one array 'safetensors'"),
+        (lambda state: ArrayRecord({"safetensors": Array(np.arange(64, dtype=np.uint8))}), "not a readable safetensors payload"),
+    ],
+    ids=["unpacked", "garbage-bytes"],
+)
+def test_weights_that_are_not_one_packed_array_are_rejected_with_the_reason(record, reason):
+    with pytest.raises(UploadRejected, match=f"generator .site1-class3.: .*{reason}"):
+        decode_modules(RecordDict({"manifest": ConfigRecord({"json": "{}"}),
+                                   "generator.site1-class3": record(make_module(1, 3).state)}))  # fmt: skip
 
 
 def test_a_valid_upload_passes():

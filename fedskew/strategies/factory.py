@@ -2,7 +2,7 @@
 round (`train.p2p`).
 
 Round 1: every site trains and audits its generators and replies with one ArrayRecord per generator
-plus a JSON manifest of their metadata; the server validates each upload (a bad one is rejected with
+(its weights packed into one array, see `packed_weights`) plus a JSON manifest of their metadata; the server validates each upload (a bad one is rejected with
 its reason and the run goes on with the rest), writes library/, samples a class-balanced synthetic
 set, trains the classifier on it and evaluates it on the real test split.
 Round 2 (P2P): Flower has no site-to-site channel, so the SuperLink relays the library to every site;
@@ -21,8 +21,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
 from fedskew.config import RunConfig
@@ -67,11 +70,32 @@ class TaskLike(Protocol):
 # --- wire format (shared by sites and server) --------------------------------------------------------
 
 
+PACKED_KEY = "safetensors"
+
+
+def packed_weights(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    """A model's weights as one array (its safetensors bytes). Flower moves every array as its own object,
+    one request each, and a SuperLink keeping its state in SQLite serialises those writes: three sites
+    uploading four ~90-tensor generators at once made it fail with 'database is locked'."""
+    blob = save_safetensors({name: tensor.detach().cpu().contiguous() for name, tensor in state.items()})
+    return ArrayRecord({PACKED_KEY: Array(np.frombuffer(blob, dtype=np.uint8))})
+
+
+def unpacked_weights(record: ArrayRecord, what: str) -> dict[str, torch.Tensor]:
+    """The weights `packed_weights` packed; UploadRejected (naming `what`) when the record is not that."""
+    if list(record) != [PACKED_KEY]:
+        raise UploadRejected(f"{what}: expected one array '{PACKED_KEY}' (the packed weights), got {sorted(record)}")
+    try:
+        return load_safetensors(record[PACKED_KEY].numpy().tobytes())
+    except (SafetensorError, ValueError) as err:
+        raise UploadRejected(f"{what}: the packed weights are not a readable safetensors payload ({err})") from None
+
+
 def encode_modules(manifest: dict, modules: list[GeneratorModule]) -> RecordDict:
     """The manifest as JSON in a ConfigRecord and one ArrayRecord per generator."""
     content = RecordDict({MANIFEST_KEY: ConfigRecord({"json": json.dumps(manifest)})})
     for module in modules:
-        content[GENERATOR_PREFIX + module.module_id] = ArrayRecord(module.state)
+        content[GENERATOR_PREFIX + module.module_id] = packed_weights(module.state)
     return content
 
 
@@ -84,7 +108,7 @@ def decode_modules(content: RecordDict) -> tuple[dict, dict[str, dict[str, torch
     except json.JSONDecodeError as err:
         raise UploadRejected(f"the module metadata is not valid JSON: {err}") from None
     states = {
-        key.removeprefix(GENERATOR_PREFIX): content[key].to_torch_state_dict()
+        key.removeprefix(GENERATOR_PREFIX): unpacked_weights(content[key], f"generator {key.removeprefix(GENERATOR_PREFIX)!r}")
         for key in content.array_records
         if key.startswith(GENERATOR_PREFIX)
     }
@@ -111,7 +135,7 @@ def site_expert(cfg: RunConfig, site: SiteData, content: RecordDict, device: tor
             f"this site has {site.num_classes} classes of {tuple(site.train_images.shape[1:])}"
         )
     state, metrics = train_site_expert(cfg, site, library, device)
-    return RecordDict({EXPERT_KEY: ArrayRecord(state), METRICS_KEY: MetricRecord({**metrics, "site-id": site.site_id})})
+    return RecordDict({EXPERT_KEY: packed_weights(state), METRICS_KEY: MetricRecord({**metrics, "site-id": site.site_id})})
 
 
 # --- the server's side ----------------------------------------------------------------------------------
@@ -182,7 +206,7 @@ class FactoryFlow(RecordingMixin):
             try:
                 if EXPERT_KEY not in reply.content.array_records:
                     raise UploadRejected("the reply has no expert weights")
-                state = reply.content[EXPERT_KEY].to_torch_state_dict()
+                state = unpacked_weights(reply.content[EXPERT_KEY], "the expert")
                 check_expert_weights(state, reference)
             except UploadRejected as err:
                 print(f"rejected the expert of site node {node}: {err}", flush=True)
