@@ -73,12 +73,23 @@ def plain_pytorch_round_seconds(cfg: RunConfig, num_sites: int) -> float:
     return time.perf_counter() - start
 
 
-def summarise(values: list[float]) -> str:
-    finite = [v for v in values if v is not None and np.isfinite(v)]
+# How a column is shown: (header, scale, decimals); metrics keep 4 decimals.
+DISPLAY = {
+    "wall_seconds": ("wall_seconds", 1, 1),
+    "round_seconds": ("round_seconds", 1, 2),
+    "bytes_total": ("MB_moved", 1e-6, 1),
+    "round_time_vs_fedavg": ("round_time_vs_fedavg", 1, 2),
+}
+
+
+def summarise(values: list[float], scale: float = 1.0, decimals: int = 4) -> str:
+    """mean ± sd over seeds; a single seed is shown as its value (an sd of 0 would claim a spread)."""
+    finite = [v * scale for v in values if v is not None and np.isfinite(v)]
     if not finite:
         return "n/a"
-    sd = statistics.stdev(finite) if len(finite) > 1 else 0.0
-    return f"{statistics.mean(finite):.4f} ± {sd:.4f}"
+    if len(finite) == 1:
+        return f"{finite[0]:.{decimals}f}"
+    return f"{statistics.mean(finite):.{decimals}f} ± {statistics.stdev(finite):.{decimals}f}"
 
 
 def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[str], key: str, path: Path) -> None:
@@ -148,13 +159,15 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
         + f"--num-sites {args.num_sites} --out {args.out}`",
         "",
         f"Final-round test metrics, mean ± sd over the seeds completed ({', '.join(map(str, seeds_done))}; n per row in "
-        "the last column):",
+        "the last column; a single value where n = 1). MB_moved: bytes sent + received by the server, all sites, "
+        "whole run.",
         "",
-        "| method | " + " | ".join(keys) + " | n |",
+        "| method | " + " | ".join(DISPLAY.get(k, (k,))[0] for k in keys) + " | n |",
         "|---" * (len(keys) + 2) + "|",
     ]
     for name, record in results.items():
-        lines.append(f"| {name} | " + " | ".join(summarise(record[k]) for k in keys) + f" | {len(record['wall_seconds'])} |")
+        cells = [summarise(record[k], *DISPLAY.get(k, (k, 1.0, 4))[1:]) for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(record['wall_seconds'])} |")
     if overhead:
         lines += ["", f"Framework overhead: one FedAvg round took {overhead['flower_round_seconds']:.2f} s in Flower "
                       f"(sites in parallel Ray workers) vs {overhead['plain_pytorch_round_seconds']:.2f} s for the same "

@@ -87,7 +87,7 @@ class FactorySection(_Section):
     sampler_steps: int = Field(16, ge=2, le=1000, description="Deterministic Heun sampler steps (the paper: 50).")
     sample_batch_size: int = Field(256, ge=1, le=65536, description="Images per sampler batch.")
     samples_per_class: int = Field(
-        500, ge=1, le=1_000_000, description="Synthetic images per class on the server (the paper: 10000); a class "
+        300, ge=1, le=1_000_000, description="Synthetic images per class on the server (the paper: 10000); a class "
         "held by several sites is split in proportion to their image counts."
     )
     p2p_samples_per_class: int = Field(
@@ -98,7 +98,7 @@ class FactorySection(_Section):
         "resnet18", description="Classifier trained on synthetic data (ResNets with the small-image stem below "
         "96 px; the paper: resnet50)."
     )
-    classifier_epochs: int = Field(8, ge=1, le=10_000, description="Classifier epochs (the paper: 300).")
+    classifier_epochs: int = Field(6, ge=1, le=10_000, description="Classifier epochs (the paper: 300).")
     classifier_lr: float = Field(0.05, gt=0, le=10, description="Classifier SGD learning rate, cosine-decayed to 0.")
     classifier_batch_size: int = Field(64, ge=1, le=65536, description="Classifier mini-batch size.")
     classifier_momentum: float = Field(0.9, ge=0, lt=1, description="Classifier SGD momentum.")
