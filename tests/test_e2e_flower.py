@@ -78,18 +78,6 @@ def test_a_resumed_run_continues_after_the_last_completed_round(superlink, fednc
     assert {p.name: p.read_bytes() for p in fednca_run.iterdir()} == before  # the earlier run is untouched
 
 
-def test_resuming_with_a_different_partition_is_refused(superlink, fednca_run, tmp_path):
-    resumed = superlink.run_app(
-        {**TINY, "method": "fednca", "alpha": 0.5, "num-server-rounds": 3, "resume-from": str(fednca_run),
-         "results-dir": str(tmp_path)},
-        num_supernodes=2,
-    )
-    assert not resumed.completed
-    assert "these settings differ from the earlier run's: alpha: 0.1 -> 0.5" in resumed.output
-    summary = json.loads((_only_run_dir(tmp_path) / "summary.json").read_text())
-    assert summary["status"] == "failed" and "alpha" in summary["reason"]
-
-
 def test_a_bad_config_value_fails_the_run_with_the_clear_message(superlink, tmp_path):
     outcome = superlink.run_app({**TINY, "alpha": -1.0, "results-dir": str(tmp_path)}, num_supernodes=2)
     assert not outcome.completed

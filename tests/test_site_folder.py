@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fedskew.cli import main as cli_main
@@ -22,7 +23,7 @@ from fedskew.data.site_folder import (
 from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.data.sources import DataSourceError
 from fedskew.results import RunRecorder
-from fedskew.server_tasks import agreed_task_shape, load_server_test_set, make_evaluate_fn
+from fedskew.server_tasks import agreed_task_shape, load_server_test_set, make_evaluate_fn, resume_point
 
 CFG = RunConfig.from_run_config({"method": "fedavg", "val-fraction": 0.2})
 SINGLE = RunConfig.from_run_config({"method": "fedavg", "mosaic-grid": 0, "partition": "iid"})
@@ -215,7 +216,6 @@ def test_the_task_shape_comes_from_agreeing_sites_or_the_server_test_data():
 
 
 def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
-    import torch
     from flwr.app import ArrayRecord
 
     recorder = RunRecorder.create(CFG, multilabel=True, base=tmp_path)
@@ -230,3 +230,34 @@ def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
     resumed(0, ArrayRecord({"w": torch.ones(2)}))
     resumed(1, ArrayRecord({"w": torch.ones(2)}))
     assert [r["round"] for r in recorder.rounds] == [1, 2]
+
+
+def test_resuming_with_a_different_partition_is_refused_naming_the_setting(tmp_path):
+    earlier = RunRecorder.create(RunConfig.from_run_config({"method": "fednca"}), multilabel=True, base=tmp_path)
+    earlier.save_checkpoint({"w": torch.ones(2)}, server_round=2)
+    changed = RunConfig.from_run_config({"method": "fednca", "alpha": 0.5, "resume-from": str(earlier.path)})
+    recorder = RunRecorder.create(changed, multilabel=True, base=tmp_path / "new")
+    with pytest.raises(ValueError, match=r"settings differ from the earlier run's: alpha: 0.1 -> 0.5"):
+        resume_point(changed, recorder)
+    assert not (recorder.path / "metrics.jsonl").exists()  # nothing adopted from the refused run
+
+
+class _LostGrid:
+    """A Grid whose SuperLink connection is gone."""
+
+    def get_node_ids(self):
+        raise ConnectionError("SuperLink unreachable")
+
+
+def test_a_serverapp_exception_ends_the_run_as_failed_with_the_reason_in_its_results(tmp_path):
+    from flwr.app import Context, RecordDict
+
+    from fedskew.server_app import main
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"method": "fedavg", "results-dir": str(tmp_path)})  # fmt: skip
+    with pytest.raises(ConnectionError):
+        main(_LostGrid(), context)
+    (run,) = tmp_path.iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["reason"] == "ConnectionError: SuperLink unreachable"
