@@ -2,9 +2,10 @@
 round (`train.p2p`).
 
 Round 1: every site trains and audits its generators and replies with one ArrayRecord per generator
-(its weights packed into one array, see `packed_weights`) plus a JSON manifest of their metadata; the server validates each upload (a bad one is rejected with
-its reason and the run goes on with the rest), writes library/, samples a class-balanced synthetic
-set, trains the classifier on it and evaluates it on the real test split.
+(its weights packed into one array, see `packed_weights`) plus a JSON manifest of their metadata; the
+server validates each upload (a bad one is rejected with its reason and the run goes on with the rest),
+writes library/, samples a class-balanced synthetic set, trains the classifier on it and evaluates it
+on the real test split.
 Round 2 (P2P): Flower has no site-to-site channel, so the SuperLink relays the library to every site;
 each site trains its own expert on real + synthetic images and returns it; the server evaluates the
 Product of Experts and each expert alone.
@@ -107,11 +108,8 @@ def decode_modules(content: RecordDict) -> tuple[dict, dict[str, dict[str, torch
         manifest = json.loads(str(content[MANIFEST_KEY]["json"]))
     except json.JSONDecodeError as err:
         raise UploadRejected(f"the module metadata is not valid JSON: {err}") from None
-    states = {
-        key.removeprefix(GENERATOR_PREFIX): unpacked_weights(content[key], f"generator {key.removeprefix(GENERATOR_PREFIX)!r}")
-        for key in content.array_records
-        if key.startswith(GENERATOR_PREFIX)
-    }
+    module_ids = [key.removeprefix(GENERATOR_PREFIX) for key in content.array_records if key.startswith(GENERATOR_PREFIX)]
+    states = {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m!r}") for m in module_ids}
     return manifest, states
 
 
