@@ -33,7 +33,7 @@ class _Section(BaseModel):
 
 
 class FedNCASection(_Section):
-    """FedNCA-ML settings (spec: fixed simplex-ETF classifier, LADM, two regularisers)."""
+    """FedNCA-ML settings (fixed simplex-ETF classifier, LADM, two regularisers; docs/fednca.md)."""
 
     ladm: bool = Field(True, description="Use the label-aware attention module (false: pooled feature, BCE only).")
     regularisers: bool = Field(True, description="Add negative-feature rejection and positive-feature contrastive losses.")
@@ -54,7 +54,7 @@ class FedNCASection(_Section):
 
 
 class FactorySection(_Section):
-    """FederatedFactory settings (spec: one upload of generators per site, a classifier trained on their
+    """FederatedFactory settings (docs/factory.md: one upload of generators per site, a classifier trained on their
     synthetic data; P2P: site experts combined as a Product of Experts)."""
 
     conditional: bool = Field(

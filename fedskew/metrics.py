@@ -65,5 +65,5 @@ def multilabel_metrics(y_true: np.ndarray, probs: np.ndarray, threshold: float =
 
 
 def headline_metric(multilabel: bool) -> str:
-    """The metric that picks the best round: macro F1 for multi-label (the spec), accuracy otherwise."""
+    """The metric that picks the best round: macro F1 for multi-label (as in the FedNCA-ML paper), accuracy otherwise."""
     return "f1_macro" if multilabel else "accuracy"

@@ -115,7 +115,7 @@ def test_an_unregistered_supernode_is_refused(link, pki, sites, tmp_path):
 
 
 def test_a_fednca_run_over_tls_completes_without_a_killed_site_and_a_site_with_broken_data(link, pki, sites, tmp_path):
-    """One federation shows the issue's three deployment behaviours (one run, since each costs minutes of
+    """One federation shows three deployment behaviours (one run, since each costs minutes of
     real processes): three registered TLS sites finish a 2-round FedNCA-ML run with results written, a site
     whose data dir is broken answers every message with the clear error, and a site SIGKILLed after
     round 1 drops out while the others complete the run."""

@@ -1,4 +1,4 @@
-"""FederatedFactory (spec: /work/shared/specs/federated-factory.md) as plain functions.
+"""FederatedFactory (Moleri et al., arXiv:2603.16370; docs/factory.md) as plain functions.
 
 site.py        what a site does: train its generators, audit them for memorisation, train a P2P expert
 library.py     the generator library: upload validation, library files, class-balanced synthesis, grids

@@ -14,6 +14,7 @@ experts: the before/after table shows what the ensemble still knows.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
     recorder.save_checkpoint(model.state_dict())
     columns = {"server before": before["per_class_recall"], "server after": after["per_class_recall"]}
     report = {
-        "source_run": str(run_dir),
+        # Relative to the new run directory: the record stays valid when both are moved or shared together.
+        "source_run": os.path.relpath(run_dir, target.resolve()),
         "forgotten_modules": forgotten,
         "request": {"site": site} if site is not None else {"class": class_id},
         "classes_without_generator_after": lost_classes,

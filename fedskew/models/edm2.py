@@ -1,4 +1,4 @@
-"""EDM2 diffusion generator (Karras et al., CVPR 2024), written from /work/shared/specs/edm2.md.
+"""EDM2 diffusion generator (Karras et al., CVPR 2024), as described in docs/factory.md.
 
 One module holds the whole generator: magnitude-preserving (MP) primitives, the UNet, the
 preconditioning wrapper with its uncertainty (logvar) head, the loss, the learning-rate schedule,

@@ -1,4 +1,4 @@
-"""FedNCA-ML model, losses and local optimiser (spec: shared/specs/fednca-ml.md).
+"""FedNCA-ML model, losses and local optimiser (Peng et al., arXiv:2509.12544; docs/fednca.md).
 
 Pipeline: backbone feature map (B, d, h, w) -> optional learned 1x1 projection to D dims ->
 N = h*w tokens (B, N, D) -> LADM (one multi-head attention layer whose queries are the K ETF
@@ -73,7 +73,7 @@ def simplex_etf(num_classes: int, dim: int, seed: int) -> Tensor:
     """Simplex ETF M of shape (dim, K), float32: unit columns, pairwise cosine exactly -1/(K-1).
 
     M = sqrt(K/(K-1)) * U C where C^T C = I_K - (1/K) 1 1^T. For dim >= K, U (dim x K) is the
-    orthonormal factor of a seeded Gaussian and C is the centring matrix itself (the spec's form).
+    orthonormal factor of a seeded Gaussian and C is the centring matrix itself (the paper's form).
     For dim == K-1 no dim x K matrix has orthonormal columns, so C is the (K-1) x K transpose of an
     orthonormal basis of the sum-zero subspace and U is dim x (K-1); the Gram matrix is the same.
     Generated in float64 on CPU from a private torch.Generator, so the result depends only on
