@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # What must never appear in a tracked text file, with the reason shown when it does.
 FORBIDDEN = {
-    r"shared/specs|\bspecs/[\w.-]+\.md": "a planning file outside the repository",
+    r"shared/specs|\bspecs/[\w.-]+\.md|\b(?:edm2|fednca-ml|federated-factory|flower-1\.42-notes)\.md\b": (
+        "a planning file outside the repository"
+    ),
     r"(?<![\w.~-])/(?:work|root|home/[\w.-]+|Users/[\w.-]+)/": "an absolute path of a development machine",
     r"\bthe issue'?s?\b|\bissues? #?\d+\b": "a tracker issue users cannot see",
 }
@@ -60,6 +62,7 @@ def test_the_scan_finds_each_kind_of_reference(tmp_path):
     bad = {
         "a.py": '"""Written from shared/specs/edm2.md."""',
         "b.md": "see specs/fednca-ml.md",
+        "b2.py": "# ramp-up as in edm2.md",
         "c.json": '{"source_run": "/work/main/bench/results/run"}',
         "d.md": "Against the issue's targets",
         "bench/results/x/e.json": '{"path": "/tmp/pytest-1/run"}',

@@ -178,7 +178,7 @@ def _validate_config(config: GeneratorConfig) -> None:
         _require(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
 
 
-# FederatedFactory's 32 px generator (edm2.md, "How FederatedFactory used it"). Batch 4096 is the
+# FederatedFactory's 32 px generator (Moleri et al., arXiv:2603.16370, their generator settings). Batch 4096 is the
 # ceiling; a class with fewer images uses the largest power of two <= its size (min 32).
 GPU_PRESET_32PX = GeneratorConfig(
     img_resolution=32,
@@ -203,7 +203,7 @@ GPU_PRESET_32PX = GeneratorConfig(
 )
 
 # One class of sklearn's 8 px digits in about a minute on a laptop CPU. The ramp-up and t_ref are
-# scaled to the 400-step run (edm2.md: the published 10 M-image ramp-up would never finish).
+# scaled to the 400-step run (the published 10 M-image ramp-up would never finish).
 CPU_PRESET = GeneratorConfig(
     img_resolution=8,
     img_channels=1,
@@ -419,7 +419,7 @@ class UNet(nn.Module):
             return Block(cin, cout, emb_channels, flavor, mode, attention, config.dropout, generator)
 
         # Resampling blocks carry no attention: with it the 32 px preset would have 51.55 M
-        # parameters instead of the 50.7 M that federated-factory.md reports.
+        # parameters instead of the 50.7 M that the FederatedFactory paper reports.
         self.enc = nn.ModuleDict()
         out_channels = config.img_channels + 1  # + the constant ones channel
         for level, channels in enumerate(level_channels):
