@@ -2,8 +2,8 @@
 
 Flower hands the ServerApp and ClientApp `context.run_config`, a flat dict whose nested
 TOML tables arrive as dotted keys ("fednca.tau"). `RunConfig.from_run_config` turns it into
-validated settings; the pyproject `[tool.flwr.app.config]` table and the README's config
-table are generated from the models below (`python -m fedskew.config --toml | --readme`),
+validated settings; the pyproject `[tool.flwr.app.config]` table and the key table of
+docs/configuration.md are generated from the models below (`python -m fedskew.config --write`),
 and a test fails when either is stale.
 """
 
@@ -312,15 +312,16 @@ def toml_table() -> str:
     return "".join(f"{key} = {_toml_value(default)}\n" for key, _, default in _iter_fields(RunConfig))
 
 
-def readme_table() -> str:
-    """Markdown table of every run-config key, generated for the README."""
+def markdown_table() -> str:
+    """Markdown table of every run-config key, generated for docs/configuration.md."""
     rows = ["| key | default | valid | meaning |", "|---|---|---|---|"]
     for key, info, default in _iter_fields(RunConfig):
         rows.append(f"| `{key}` | `{_toml_value(default)}` | {_range_text(info)} | {info.description or ''} |")
     return "\n".join(rows) + "\n"
 
 
-README_MARKERS = ("<!-- config-table:start -->\n", "<!-- config-table:end -->")
+CONFIG_PAGE = Path("docs") / "configuration.md"
+CONFIG_PAGE_MARKERS = ("<!-- config-table:start -->\n", "<!-- config-table:end -->")
 PYPROJECT_MARKERS = ("[tool.flwr.app.config]\n", "\n[tool.pytest")
 
 
@@ -333,17 +334,17 @@ def _replace_between(text: str, markers: tuple[str, str], body: str, where: str)
 
 
 def generated_files(root: Path) -> dict[Path, str]:
-    """pyproject.toml and README.md as they must read with the current config model."""
-    pyproject, readme = root / "pyproject.toml", root / "README.md"
+    """pyproject.toml and docs/configuration.md as they must read with the current config model."""
+    pyproject, page = root / "pyproject.toml", root / CONFIG_PAGE
     note = "# Generated from fedskew/config.py (python -m fedskew.config --write); a test fails when stale.\n"
     return {
         pyproject: _replace_between(pyproject.read_text(), PYPROJECT_MARKERS, note + toml_table(), str(pyproject)),
-        readme: _replace_between(readme.read_text(), README_MARKERS, readme_table(), str(readme)),
+        page: _replace_between(page.read_text(), CONFIG_PAGE_MARKERS, markdown_table(), str(page)),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate (or check) the config tables in pyproject.toml and README.md.")
+    parser = argparse.ArgumentParser(description="Regenerate (or check) the config tables in pyproject.toml and docs/configuration.md.")
     parser.add_argument("--root", type=Path, default=Path.cwd())
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="rewrite the generated tables in place")

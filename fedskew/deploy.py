@@ -1,6 +1,6 @@
 """A real deployment's processes on one host: a SuperLink with TLS, SuperNode authentication and a
 state database, and SuperNodes that each read their own site folder. Used by tests and for trying
-a deployment locally before taking it to the sites (README.md, "Deploy at hospital sites" has the same steps by hand).
+a deployment locally before taking it to the sites (docs/deployment.md has the same steps by hand).
 
 Every process runs in its own session (process group) with offline settings, logs to a file and is
 stopped by its process group: a SuperNode in subprocess isolation starts a `flower-superexec` that

@@ -13,7 +13,7 @@ def test_defaults_parse_and_round_trip():
     assert RunConfig.from_run_config(cfg.to_run_config()) == cfg
 
 
-def test_pyproject_and_readme_tables_are_generated_from_the_model():
+def test_pyproject_and_configuration_page_tables_are_generated_from_the_model():
     stale = [str(p) for p, text in generated_files(ROOT).items() if p.read_text() != text]
     assert not stale, f"regenerate with `python -m fedskew.config --write`: {stale}"
     flwr_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
