@@ -33,6 +33,7 @@ from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
 from fedskew.launch import SimulationSuperLink  # noqa: E402
 from fedskew.models.build import build_model  # noqa: E402
+from fedskew.report import write_report as write_html_report  # noqa: E402
 from fedskew.training import evaluate, pick_device  # noqa: E402
 
 SCALARS = {
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         overhead = {"flower_round_seconds": flower, "plain_pytorch_round_seconds": plain, "ratio": flower / plain}
         (args.out / "overhead.json").write_text(json.dumps(overhead, indent=2))
     print(write_report(args, runs, overhead))
+    print(f"side-by-side page: {write_html_report(args.out)}")
 
 
 if __name__ == "__main__":

@@ -115,9 +115,34 @@ def register_unlearn(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_unlearn)
 
 
+# --- report -------------------------------------------------------------------------------------------
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from fedskew.report import write_report
+
+    print(f"wrote {write_report(args.folder).resolve()}")
+    return 0
+
+
+def register_report(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="(re)build report.html for a run directory or a bench.compare output folder",
+        description="Write DIR/report.html: one self-contained page (images embedded, no server needed) with the "
+        "run's config, partition, learning curves, per-class metrics, bytes per site and, for FederatedFactory, "
+        "sample grids and memorisation scores; for the --out folder of python -m bench.compare, every method side "
+        "by side (and each run's own page).",
+    )
+    parser.add_argument("folder", type=Path, metavar="DIR", help="a run directory or a bench.compare --out folder")
+    parser.set_defaults(run=run_report)
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (register_prepare_sites, register_unlearn)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    register_prepare_sites, register_unlearn, register_report,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

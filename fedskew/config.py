@@ -167,6 +167,10 @@ class RunConfig(_Section):
     round_timeout: float = Field(3600.0, gt=0, description="Seconds to wait for site replies in each round.")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data split, partition, model init and training.")
     results_dir: str = Field("results", description="Where each run writes `<time>-<method>-<dataset>/`.")
+    log_tensorboard: bool = Field(
+        False, description="Also write TensorBoard event files (`tensorboard/` in the run's directory): one scalar "
+        "per metric per round. Needs the `tensorboard` package (`pip install 'fedskew[tensorboard]'`)."
+    )
     resume_from: str = Field(
         "", description="A previous run's results directory: continue after its last completed round, with the "
         "same partition and ETF (settings that shape the data or model must match)."

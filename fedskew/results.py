@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from fedskew.config import RunConfig  # noqa: E402
+from fedskew.config import ConfigError, RunConfig  # noqa: E402
 from fedskew.metrics import headline_metric  # noqa: E402
 
 CHECKPOINT = "model.safetensors"
@@ -37,6 +37,29 @@ RESUME_MUST_MATCH = (
 
 # Metrics shown in the per-round log line and the curves, by label kind.
 HEADLINE = {True: ("f1_macro", "auc_macro", "map"), False: ("accuracy", "balanced_accuracy", "auroc_macro")}
+# Metrics that are bookkeeping of the aggregation, not measurements of the model.
+BOOKKEEPING = ("unit-weight", "num-examples", "etf-crc32")
+TENSORBOARD_DIR = "tensorboard"
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric, per-round measurements of a metrics record (per-class lists and bookkeeping left out)."""
+    return {
+        key: float(value) for key, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in BOOKKEEPING
+    }  # fmt: skip
+
+
+def open_tensorboard(path: Path):
+    """torch's SummaryWriter on `path`; a clear error when the optional tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "invalid run config: key 'log-tensorboard' = True needs the tensorboard package; install it with "
+            "pip install 'fedskew[tensorboard]' (or pip install tensorboard), or set log-tensorboard=false"
+        ) from None
+    return SummaryWriter(log_dir=str(path))
 
 
 def _json_safe(value: Any) -> Any:
@@ -74,6 +97,7 @@ class RunRecorder:
     bytes_received: dict[str, int] = field(default_factory=dict)
     dropped: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    tensorboard: Any = None  # a SummaryWriter with log-tensorboard = true
     _round_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -81,7 +105,8 @@ class RunRecorder:
         path = Path(base or cfg.results_dir) / run_dir_name(cfg.method, cfg.dataset)
         path.mkdir(parents=True, exist_ok=False)
         write_json(path / "config.json", cfg.to_run_config())
-        return cls(path=path, multilabel=multilabel, method=cfg.method)
+        writer = open_tensorboard(path / TENSORBOARD_DIR) if cfg.log_tensorboard else None
+        return cls(path=path, multilabel=multilabel, method=cfg.method, tensorboard=writer)
 
     # --- communication -------------------------------------------------------------------
     def count_bytes(self, direction: str, site: str, nbytes: int) -> None:
@@ -112,9 +137,19 @@ class RunRecorder:
         self.rounds.append(entry)
         with (self.path / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(_json_safe(entry)) + "\n")
+        if self.tensorboard is not None:
+            self.log_tensorboard(entry)
         self.write_summary("running")
         print(self.round_line(entry), flush=True)
         return entry
+
+    def log_tensorboard(self, entry: dict[str, Any]) -> None:
+        """One scalar per metric (`train/...`, `val/...`, `test/...`) and the round time, at step = round."""
+        for split in ("train", "val", "test"):
+            for key, value in scalar_metrics(entry[split]).items():
+                self.tensorboard.add_scalar(f"{split}/{key}", value, entry["round"])
+        self.tensorboard.add_scalar("time/round_seconds", entry["round_seconds"], entry["round"])
+        self.tensorboard.flush()
 
     def round_line(self, entry: dict[str, Any]) -> str:
         parts = [f"[{self.method}] round {entry['round']:>3}"]

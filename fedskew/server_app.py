@@ -8,6 +8,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import RunConfig
 from fedskew.models.build import build_model, server_etf
+from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
     agreed_task_shape,
@@ -70,7 +71,9 @@ def main(grid: Grid, context: Context) -> None:
             )
     except BaseException as exc:
         recorder.write_summary("failed", reason=f"{type(exc).__name__}: {exc}")
+        try_write_report(recorder.path)
         raise
     recorder.write_summary("completed")
     recorder.plot_curves()
+    try_write_report(recorder.path)
     print(f"fedskew: run completed, results in {recorder.path}", flush=True)

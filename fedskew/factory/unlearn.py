@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from fedskew.config import RunConfig
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_classifier, train_classifier
 from fedskew.factory.library import SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
+from fedskew.report import try_write_report
 from fedskew.results import RunRecorder, write_json
 from fedskew.server_tasks import load_server_test_set
 from fedskew.training import evaluate, pick_device
@@ -153,4 +154,5 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
     recorder.extra["unlearning"] = {k: v for k, v in report.items() if k not in ("server", "p2p", "per_class_recall")}
     recorder.write_summary("completed")
     recorder.plot_curves()
+    try_write_report(target)
     return target
