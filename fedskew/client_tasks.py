@@ -90,6 +90,7 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
         rejection_weight=nca.rejection_weight,
         contrastive_weight=nca.contrastive_weight,
         margin=nca.margin,
+        rejection_scope=nca.rejection_scope,
         tau=nca.tau,
         use_regularisers=nca.regularisers,
     )

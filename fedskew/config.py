@@ -48,6 +48,10 @@ class FedNCASection(_Section):
     rejection_weight: float = Field(0.01, ge=0, le=100, description="Weight of the negative-feature rejection loss.")
     contrastive_weight: float = Field(1.0, ge=0, le=100, description="Weight of the positive-feature contrastive loss.")
     margin: float = Field(0.3, ge=0, le=1, description="Rejection margin on sigmoid(max class-feature logit).")
+    rejection_scope: Literal["other", "all"] = Field(
+        "other", description="Prototypes an absent label's feature is rejected from: `other` (the paper: every "
+        "prototype but its own) or `all` K (ablation)."
+    )
     tau: float = Field(0.07, gt=0, le=10, description="Contrastive temperature.")
     lr: float = Field(3e-3, gt=0, le=1, description="Local AdamW learning rate (the paper: 1e-4 with ResNet-18 at 224 px).")
     beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2 (beta1 is 0.9).")

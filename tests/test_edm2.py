@@ -162,6 +162,74 @@ def test_gpu_preset_has_the_papers_parameter_count():
     assert count_parameters(build_generator(GPU_PRESET_32PX, "meta")) == pytest.approx(50.7e6, rel=0.005)
 
 
+def reference_state_dict_shapes(config: GeneratorConfig) -> dict[str, tuple[int, ...]]:
+    """The EDM2 reference UNet's tensors, enumerated from its published structure: the encoder's
+    resampling blocks and the deepest decoder level's second entry block (in1) carry no attention;
+    in0 always does; every other block attends iff its resolution is in attn_resolutions."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    level_channels = [config.model_channels * m for m in config.channel_mult]
+    emb = max(level_channels)
+
+    def block(prefix: str, cin: int, cout: int, enc: bool, attention: bool) -> int:
+        shapes[f"{prefix}.emb_gain"] = ()
+        shapes[f"{prefix}.conv_res0.weight"] = (cout, cout if enc else cin, 3, 3)
+        shapes[f"{prefix}.emb_linear.weight"] = (cout, emb)
+        shapes[f"{prefix}.conv_res1.weight"] = (cout, cout, 3, 3)
+        if cin != cout:
+            shapes[f"{prefix}.conv_skip.weight"] = (cout, cin, 1, 1)
+        if attention:
+            shapes[f"{prefix}.attn_qkv.weight"] = (3 * cout, cout, 1, 1)
+            shapes[f"{prefix}.attn_proj.weight"] = (cout, cout, 1, 1)
+        return cout
+
+    shapes["unet.emb_fourier.freqs"] = shapes["unet.emb_fourier.phases"] = (level_channels[0],)
+    shapes["unet.emb_noise.weight"] = (emb, level_channels[0])
+    skips, cout = [], config.img_channels + 1
+    for level, channels in enumerate(level_channels):
+        res = config.img_resolution >> level
+        if level == 0:
+            shapes[f"unet.enc.{res}x{res}_conv.weight"] = (channels, cout, 3, 3)
+            cout = channels
+        else:
+            cout = block(f"unet.enc.{res}x{res}_down", cout, cout, True, False)
+        skips.append(cout)
+        for idx in range(config.num_blocks):
+            cout = block(f"unet.enc.{res}x{res}_block{idx}", cout, channels, True, res in config.attn_resolutions)
+            skips.append(cout)
+    for level, channels in reversed(list(enumerate(level_channels))):
+        res = config.img_resolution >> level
+        if level == len(level_channels) - 1:
+            block(f"unet.dec.{res}x{res}_in0", cout, cout, False, True)
+            block(f"unet.dec.{res}x{res}_in1", cout, cout, False, False)
+        else:
+            block(f"unet.dec.{res}x{res}_up", cout, cout, False, False)
+        for idx in range(config.num_blocks + 1):
+            cout = block(f"unet.dec.{res}x{res}_block{idx}", cout + skips.pop(), channels, False,
+                         res in config.attn_resolutions)
+    shapes["unet.out_conv.weight"] = (config.img_channels, cout, 3, 3)
+    shapes["unet.out_gain"] = ()
+    shapes["logvar_fourier.freqs"] = shapes["logvar_fourier.phases"] = (128,)
+    shapes["logvar_linear.weight"] = (1, 128)
+    return shapes
+
+
+# Parameter counts (Fourier buffers excluded) of the reference structure above. CPU preset: the
+# 4 px in1 block has no attention (32 channels: 3*32*32 + 32*32 = 4,096 parameters fewer than
+# with it). GPU preset: 50,700,325, the "~50.7 M" FederatedFactory reports.
+@pytest.mark.parametrize("config, parameters, tensors",
+                         [(CPU_PRESET, 252_223, 84), (GPU_PRESET_32PX, 50_700_325, 200)],
+                         ids=["cpu", "gpu-32px"])
+def test_presets_have_the_reference_architecture(config, parameters, tensors):
+    net = build_generator(config, "meta")
+    expected = reference_state_dict_shapes(config)
+    actual = {key: tuple(value.shape) for key, value in net.state_dict().items()}
+    assert actual == expected
+    assert len(actual) == tensors
+    buffers = sum(math.prod(shape) for key, shape in expected.items() if key.endswith(("freqs", "phases")))
+    assert sum(math.prod(shape) for shape in expected.values()) - buffers == parameters
+    assert count_parameters(net) == parameters
+
+
 def test_resolution_that_does_not_halve_is_refused():
     with pytest.raises(ValueError, match=r"img_resolution 28 .*4 levels.*multiple of 8.*at most 3 level"):
         dataclasses.replace(GPU_PRESET_32PX, img_resolution=28)

@@ -263,7 +263,7 @@ def rejection_batch():
 def test_negative_feature_rejection_keeps_n_pos_hardest_negatives():
     z = rejection_batch()
     targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # 2 positives -> keep 2 of 4 negatives
-    loss = negative_feature_rejection(z, targets, margin=0.3)
+    loss = negative_feature_rejection(z, targets, margin=0.3, scope="all")
     # kept: (1,2) sig .8 and (0,1) sig .75 -> ((.8 - .3) + (.75 - .3)) / batch 2
     assert loss.item() == pytest.approx((0.5 + 0.45) / 2, abs=1e-6)
     loss.backward()
@@ -274,11 +274,27 @@ def test_negative_feature_rejection_keeps_n_pos_hardest_negatives():
 def test_negative_feature_rejection_keeps_all_when_fewer_negatives_and_clips_at_margin():
     targets = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])  # 4 positives, 2 negatives
     # negatives: (0,2) sig .5 -> .2 ; (1,0) sig .25 -> relu(-.05) = 0 ; divided by batch 2
-    assert negative_feature_rejection(rejection_batch(), targets).item() == pytest.approx(0.2 / 2, abs=1e-6)
+    assert negative_feature_rejection(rejection_batch(), targets, scope="all").item() == pytest.approx(0.2 / 2, abs=1e-6)
 
 
 def test_negative_feature_rejection_is_zero_without_positives():
     assert negative_feature_rejection(rejection_batch(), torch.zeros(2, 3)).item() == 0.0
+
+
+def test_negative_feature_rejection_by_default_ignores_the_own_prototype():
+    z = rejection_batch()
+    targets = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    loss = negative_feature_rejection(z, targets, margin=0.1)
+    # max over k != j: (0,1) -1, (0,2) 0, (1,0) -2, (1,2) -1 (the own entries ln3 and ln4 are skipped);
+    # keep the 2 largest: sig(0) = .5 and sig(-1) -> ((.5 - .1) + (sig(-1) - .1)) / batch 2
+    sig_minus_1 = 1 / (1 + math.e)
+    assert loss.item() == pytest.approx((0.4 + sig_minus_1 - 0.1) / 2, abs=1e-6)
+    loss.backward()
+    own_entries = z.grad.diagonal(dim1=1, dim2=2)
+    assert torch.equal(own_entries, torch.zeros(2, 3))
+    assert z.grad[0, 2, 0] != 0  # the kept (0,2) negative's hardest other prototype
+    with pytest.raises(ValueError, match=r"rejection scope must be one of \('other', 'all'\), got 'own'"):
+        negative_feature_rejection(z, targets, scope="own")
 
 
 def test_positive_feature_contrastive_by_hand():
@@ -309,6 +325,7 @@ def test_fednca_loss_combines_terms_and_ablations_fall_back_to_bce():
     logits, z, features = model.forward_with_features(x)
     bce = summed_bce(logits, y)
     rejection = negative_feature_rejection(z, y, margin=0.3)
+    assert rejection.item() != pytest.approx(negative_feature_rejection(z, y, margin=0.3, scope="all").item())
     contrastive = positive_feature_contrastive(features, model.prototypes, y, tau=0.07)
     assert rejection.item() > 0 and contrastive.item() > 0
     loss_fn = functools.partial(fednca_loss, rejection_weight=0.5, contrastive_weight=2.0)

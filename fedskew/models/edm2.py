@@ -439,8 +439,9 @@ class UNet(nn.Module):
         for level, channels in reversed(list(enumerate(level_channels))):
             res = config.img_resolution >> level
             if level == deepest:
+                # Only the first of the two entry blocks attends, whatever attn_resolutions says.
                 self.dec[f"{res}x{res}_in0"] = block(out_channels, out_channels, "dec", "keep", True)
-                self.dec[f"{res}x{res}_in1"] = block(out_channels, out_channels, "dec", "keep", res in attn)
+                self.dec[f"{res}x{res}_in1"] = block(out_channels, out_channels, "dec", "keep", False)
             else:
                 self.dec[f"{res}x{res}_up"] = block(out_channels, out_channels, "dec", "up", False)
             for idx in range(config.num_blocks + 1):

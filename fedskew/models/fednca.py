@@ -297,17 +297,27 @@ def summed_bce(logits: Tensor, targets: Tensor) -> Tensor:
     return per_entry.sum(dim=1).mean()
 
 
-def negative_feature_rejection(z: Tensor, targets: Tensor, margin: float = 0.3) -> Tensor:
-    """Push absent labels' class features away from every prototype.
+REJECTION_SCOPES = ("other", "all")
+
+
+def negative_feature_rejection(z: Tensor, targets: Tensor, margin: float = 0.3, scope: str = "other") -> Tensor:
+    """Push absent labels' class features away from the prototypes.
 
     z: class-wise logits (B, K, K), z[b, j, k] = logit of prototype k for sample b's class-j feature.
-    For each negative pair (b, j), m_bj = max_k z[b, j, k]. Of all negatives in the batch, the
-    n_pos with the largest m are kept (n_pos = number of positive pairs in the batch; all negatives
-    if there are fewer). Loss = sum over kept of relu(sigmoid(m_bj) - margin), divided by B.
+    For each negative pair (b, j), m_bj = max over k of z[b, j, k], k ranging over the other
+    prototypes (k != j; scope "other", the paper's reading: an absent label's feature must not look
+    like another class) or over all K, its own included (scope "all"). Of all negatives in the
+    batch, the n_pos with the largest m are kept (n_pos = number of positive pairs in the batch; all
+    negatives if there are fewer). Loss = sum over kept of relu(sigmoid(m_bj) - margin), divided by B.
     """
+    if scope not in REJECTION_SCOPES:
+        raise ValueError(f"rejection scope must be one of {REJECTION_SCOPES}, got {scope!r}")
     batch, num_classes = targets.shape
     _require_same_shape("z", z, (batch, num_classes, num_classes))
     positive = targets > 0.5
+    if scope == "other":
+        own = torch.eye(num_classes, dtype=torch.bool, device=z.device)
+        z = z.masked_fill(own, float("-inf"))
     hardest_logit = z.max(dim=2).values
     negative_logits = hardest_logit[~positive]
     kept = min(int(positive.sum()), negative_logits.numel())
@@ -344,6 +354,7 @@ def fednca_loss(
     margin: float = 0.3,
     tau: float = 0.07,
     use_regularisers: bool = True,
+    rejection_scope: str = "other",
 ) -> Tensor:
     """Summed BCE + rejection_weight * rejection + contrastive_weight * contrastive.
 
@@ -360,7 +371,7 @@ def fednca_loss(
     logits, class_logits, class_features = model.forward_with_features(x)
     return (
         summed_bce(logits, y)
-        + rejection_weight * negative_feature_rejection(class_logits, y, margin)
+        + rejection_weight * negative_feature_rejection(class_logits, y, margin, rejection_scope)
         + contrastive_weight * positive_feature_contrastive(class_features, model.prototypes, y, tau)
     )
 
