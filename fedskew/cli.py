@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, SiteFolderError, DataSourceError, ValueError) as err:
+    except (ConfigError, SiteFolderError, DataSourceError, ValueError, OSError) as err:
         # Bad input ends with its message, not a traceback.
         print(f"fedskew {args.command}: {err}", file=sys.stderr)
         return 2

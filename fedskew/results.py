@@ -22,10 +22,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fedskew.config import ConfigError, RunConfig  # noqa: E402
 from fedskew.metrics import headline_metric  # noqa: E402
+from fedskew.models.build import weights_mismatch  # noqa: E402
 
 CHECKPOINT = "model.safetensors"
 # Settings that shape the data, the partition, the model or the ETF: a resumed run must share them.
@@ -77,6 +79,14 @@ def _json_safe(value: Any) -> Any:
 def write_json(path: Path, payload: Any) -> Path:
     path.write_text(json.dumps(_json_safe(payload), indent=2) + "\n")
     return path
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of an earlier run; ValueError naming the file when it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
 
 
 def run_dir_name(method: str, dataset: str, now: datetime | None = None) -> str:
@@ -199,18 +209,33 @@ class RunRecorder:
             write_json(self.path / "checkpoint.json", {"round": server_round, "model": CHECKPOINT})
         return path
 
-    def continue_from(self, previous: Path) -> tuple[int, dict[str, torch.Tensor]]:
-        """Adopt a previous run's completed rounds and return (last round, its global model)."""
+    def continue_from(self, previous: Path, reference: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """Adopt a previous run's completed rounds and return (last round, its global model), after checking
+        that its checkpoint fits the model of this run (`reference`: its state dict); ValueError (or
+        FileNotFoundError) names the file and what is wrong."""
         marker = previous / "checkpoint.json"
         if not marker.is_file():
             raise FileNotFoundError(
                 f"resume-from: {previous} has no checkpoint.json; valid: a results directory of a run that "
                 "completed at least one round"
             )
-        last = json.loads(marker.read_text())["round"]
-        state = load_file(str(previous / CHECKPOINT))
-        lines = [json.loads(line) for line in (previous / "metrics.jsonl").read_text().splitlines()]
-        self.rounds = [r for r in lines if r["round"] <= last]
+        recorded = read_json(marker)
+        last = recorded.get("round") if isinstance(recorded, dict) else None
+        if not isinstance(last, int) or isinstance(last, bool) or last < 1:
+            raise ValueError(f"resume-from: {marker} must hold the completed round as an int >= 1, got {last!r}")
+        try:
+            state = load_file(str(previous / CHECKPOINT))
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"resume-from: {previous / CHECKPOINT} is not a readable checkpoint ({err})") from None
+        problem = weights_mismatch(state, reference)
+        if problem:
+            raise ValueError(f"resume-from: {previous / CHECKPOINT} does not fit this run's model: {problem}")
+        metrics = previous / "metrics.jsonl"
+        try:
+            lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise ValueError(f"resume-from: cannot read {metrics}: {err}") from None
+        self.rounds = [r for r in lines if isinstance(r, dict) and isinstance(r.get("round"), int) and r["round"] <= last]
         with (self.path / "metrics.jsonl").open("w") as fh:
             fh.writelines(json.dumps(_json_safe(r)) + "\n" for r in self.rounds)
         self.extra["resumed_from"] = {"run": str(previous), "round": last}

@@ -42,14 +42,14 @@ def main(grid: Grid, context: Context) -> None:
         num_sites = next(iter(survey.values()))["num-sites"]
         torch.manual_seed(cfg.seed)
         if cfg.method in ("factory", "factory-p2p"):
-            run_factory(grid, cfg, sorted(survey), task, test, recorder, device)
+            run_factory(grid, cfg, survey, task, test, recorder, device)
         elif cfg.method == "centralized":
             model = build_model(cfg, task.num_classes, task.image_shape).to(device)
             train_centralized(cfg, model, num_sites, device, recorder)
         else:
             etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
             model = build_model(cfg, task.num_classes, task.image_shape, etf=etf).to(device)
-            done, resumed_state = resume_point(cfg, recorder)
+            done, resumed_state = resume_point(cfg, recorder, model.state_dict())
             if resumed_state is not None:
                 model.load_state_dict(resumed_state)
             strategy = build_strategy(cfg, len(node_ids), etf=etf)

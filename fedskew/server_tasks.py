@@ -4,7 +4,6 @@ and the centralised (pooled-data) upper bound."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_training_data
 from fedskew.data.sources import ImageDataset
-from fedskew.results import RESUME_MUST_MATCH, RunRecorder, write_json
+from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
 from fedskew.training import evaluate, make_loader, sgd, train_local
 
 SURVEY = "query.site_survey"
@@ -81,9 +80,12 @@ def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names:
         plot_cooccurrence(matrices, class_names, recorder.path / "cooccurrence.png")
 
 
-def resume_point(cfg: RunConfig, recorder: RunRecorder) -> tuple[int, dict[str, torch.Tensor] | None]:
+def resume_point(
+    cfg: RunConfig, recorder: RunRecorder, reference: dict[str, torch.Tensor]
+) -> tuple[int, dict[str, torch.Tensor] | None]:
     """(rounds already done, global model) of `resume-from`, after checking that the earlier run
-    shares every setting that shapes the partition, the model and the ETF; (0, None) without it."""
+    shares every setting that shapes the partition, the model and the ETF and that its checkpoint fits
+    this run's model (`reference`: its state dict); (0, None) without it."""
     if not cfg.resume_from:
         return 0, None
     previous = Path(cfg.resume_from)
@@ -91,12 +93,14 @@ def resume_point(cfg: RunConfig, recorder: RunRecorder) -> tuple[int, dict[str, 
         raise ValueError(f"resume-from works with fedavg, fedprox and fednca; this run's method is {cfg.method!r}")
     if not (previous / "config.json").is_file():
         raise FileNotFoundError(f"resume-from = {str(previous)!r} holds no config.json; valid: a fedskew run directory")
-    earlier = json.loads((previous / "config.json").read_text())
+    earlier = read_json(previous / "config.json")
+    if not isinstance(earlier, dict):
+        raise ValueError(f"resume-from: {previous / 'config.json'} is not a run config (a JSON object)")
     now = cfg.to_run_config()
     differing = [f"{k}: {earlier.get(k)!r} -> {now[k]!r}" for k in RESUME_MUST_MATCH if k in now and earlier.get(k) != now[k]]
     if differing:
         raise ValueError("resume-from: these settings differ from the earlier run's: " + "; ".join(differing))
-    done, state = recorder.continue_from(previous)
+    done, state = recorder.continue_from(previous, reference)
     if done >= cfg.num_server_rounds:
         raise ValueError(f"resume-from: the earlier run already completed {done} of num-server-rounds = {cfg.num_server_rounds}")
     print(f"fedskew: resuming {previous} after round {done}", flush=True)

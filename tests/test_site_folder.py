@@ -238,7 +238,7 @@ def test_resuming_with_a_different_partition_is_refused_naming_the_setting(tmp_p
     changed = RunConfig.from_run_config({"method": "fednca", "alpha": 0.5, "resume-from": str(earlier.path)})
     recorder = RunRecorder.create(changed, multilabel=True, base=tmp_path / "new")
     with pytest.raises(ValueError, match=r"settings differ from the earlier run's: alpha: 0.1 -> 0.5"):
-        resume_point(changed, recorder)
+        resume_point(changed, recorder, {})
     assert not (recorder.path / "metrics.jsonl").exists()  # nothing adopted from the refused run
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from fedskew.config import FactorySection
 from fedskew.factory.library import UploadRejected
 from fedskew.models.backbones import Classifier, build_backbone
+from fedskew.models.build import weights_mismatch
 from fedskew.models.edm2 import augment as flip_rotate
 from fedskew.training import LossFn, evaluate, make_loader, train_local
 
@@ -149,12 +150,7 @@ class ExpertEnsemble(nn.Module):
 
 
 def check_expert_weights(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    """A returned expert must have exactly the reference model's tensors (names, shapes) with finite values."""
-    if set(state) != set(reference):
-        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
-        raise UploadRejected(f"expert weights do not match the classifier: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(reference[name].shape):
-            raise UploadRejected(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(reference[name].shape)}")
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise UploadRejected(f"expert tensor {name!r} holds non-finite values")
+    """A returned expert must have exactly the reference model's tensors (names, shapes, dtypes) with finite values."""
+    problem = weights_mismatch(state, reference)
+    if problem:
+        raise UploadRejected(f"expert weights: {problem}")

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file as load_numpy_file  # noqa: E402
 from safetensors.numpy import save_file as save_numpy_file  # noqa: E402
-from safetensors import safe_open  # noqa: E402
+from safetensors import SafetensorError, safe_open  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from fedskew.config import FactorySection  # noqa: E402
@@ -46,8 +46,12 @@ LIBRARY_FORMAT = "fedskew-factory-library"
 LIBRARY_VERSION = 1
 MANIFEST = "manifest.json"
 SYNTHETIC_FILE = "synthetic.safetensors"
-# Module ids become file names: no separators, no leading dot.
-MODULE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+# Module ids become file names: no separators, no leading dot, nothing after the last character
+# (`\Z`, not `$`, which also matches before a trailing newline).
+MODULE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
+# Image counts weigh a shared class's quota (float64 arithmetic, exact below 2**53); no site holds more.
+MAX_IMAGE_COUNT = 10**12
 # Noise is drawn per chunk of this many images, so a synthetic set does not depend on the batch size.
 NOISE_CHUNK = 256
 
@@ -97,31 +101,88 @@ def module_id_for(site_id: int, class_id: int | None) -> str:
 # --- validation --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PlannedModule:
+    """A generator as the run config and a site's label counts determine it (factory.site.planned_modules):
+    the site trains exactly these, and the server checks an upload against them, so a site cannot
+    choose its module ids, classes, image counts or architecture; it supplies weights and its audit."""
+
+    module_id: str
+    classes: tuple[int, ...]
+    image_counts: tuple[int, ...]
+    config: GeneratorConfig
+
+    @property
+    def conditional(self) -> bool:
+        return self.config.label_dim > 0
+
+
 def _reject(module_id: str, problem: str) -> UploadRejected:
     return UploadRejected(f"module {module_id!r}: {problem}")
 
 
-def _int_list(value, name: str, module_id: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise _reject(module_id, f"{name} must be a non-empty list of ints, got {value!r}")
+def _shown(value) -> str:
+    """A received value for a message: its repr, cut short (a hostile one may be huge)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _same_json(received, expected) -> bool:
+    """Equal as JSON values, types included (1 is not 1.0 or true)."""
+    return json.dumps(received, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value, name: str, module_id: str, low: int, high: int) -> list[int]:
+    if not isinstance(value, list) or not value or not all(_is_int(v) and low <= v <= high for v in value):
+        raise _reject(module_id, f"{name} must be a non-empty list of ints in {low}..{high}, got {_shown(value)}")
     return value
 
 
+def _memorization(meta: dict, module_id: str, max_memorization: float) -> float:
+    memorization = meta.get("memorization")
+    if (
+        not isinstance(memorization, (int, float))
+        or isinstance(memorization, bool)
+        or not (math.isnan(memorization) or 0 <= memorization <= 1)
+    ):
+        raise _reject(module_id, f"memorization must be a share in [0, 1] or NaN (not audited), got {_shown(memorization)}")
+    if max_memorization > 0 and not memorization <= max_memorization:
+        raise _reject(module_id, f"declared memorization {memorization} exceeds factory.max-memorization {max_memorization}")
+    return float(memorization)
+
+
+def _checked_weights(module_id: str, config: GeneratorConfig, meta: dict, state: dict[str, torch.Tensor]) -> str:
+    """The declared checksum, after checking tensor names, shapes, dtypes, values and checksum."""
+    checksum = meta.get("checksum")
+    if not isinstance(checksum, str) or not SHA256_HEX.match(checksum):
+        raise _reject(module_id, f"checksum must be a sha256 hex string (64 of 0-9a-f), got {_shown(checksum)}")
+    try:
+        generator_from_arrays(config, state, checksum, "meta")
+    except GeneratorFileError as err:
+        raise _reject(module_id, str(err)) from None
+    return checksum
+
+
 def _checked_module(
-    meta: dict, state: dict[str, torch.Tensor], num_classes: int, image_shape: tuple[int, int, int], max_memorization: float
+    meta: dict,
+    state: dict[str, torch.Tensor],
+    num_classes: int,
+    image_shape: tuple[int, int, int],
+    planned: Callable[[int, tuple[int, ...], tuple[int, ...]], PlannedModule] | None,
 ) -> GeneratorModule:
-    module_id = meta.get("module-id")
-    if not isinstance(module_id, str) or not MODULE_ID.match(module_id):
-        raise UploadRejected(f"module id {module_id!r} is invalid; valid: letters, digits, '_' and '-', at most 64")
+    """One module of a library (relayed to a site, or read from disk), every field checked."""
+    module_id = meta["module-id"]
     site_id = meta.get("site-id")
-    if not isinstance(site_id, int) or isinstance(site_id, bool) or site_id < 0:
-        raise _reject(module_id, f"site-id must be an int >= 0, got {site_id!r}")
-    classes = _int_list(meta.get("classes"), "classes", module_id)
-    counts = _int_list(meta.get("image-counts"), "image-counts", module_id)
-    if len(set(classes)) != len(classes) or not all(0 <= c < num_classes for c in classes):
-        raise _reject(module_id, f"class ids {classes} must be distinct and in 0..{num_classes - 1}")
-    if len(counts) != len(classes) or min(counts) < 1:
-        raise _reject(module_id, f"image-counts {counts} must be one int >= 1 per class {classes}")
+    if not _is_int(site_id) or not 0 <= site_id < 2**31:
+        raise _reject(module_id, f"site-id must be an int in 0..{2**31 - 1}, got {_shown(site_id)}")
+    classes = _int_list(meta.get("classes"), "classes", module_id, 0, num_classes - 1)
+    counts = _int_list(meta.get("image-counts"), "image-counts", module_id, 1, MAX_IMAGE_COUNT)
+    if len(set(classes)) != len(classes) or len(counts) != len(classes):
+        raise _reject(module_id, f"classes {classes} must be distinct, with one image count each (got {counts})")
     try:
         config = GeneratorConfig.from_dict(meta.get("config"))
     except (TypeError, ValueError) as err:
@@ -129,32 +190,22 @@ def _checked_module(
     declared = (config.img_channels, config.img_resolution, config.img_resolution)
     if declared != tuple(image_shape):
         raise _reject(module_id, f"generator makes images {declared} (C, H, W) but the run's images are {tuple(image_shape)}")
-    if config.label_dim == 0 and len(classes) != 1:
-        raise _reject(module_id, f"an unconditional generator models one class, but it declares {classes}")
-    if config.label_dim not in (0, num_classes):
-        raise _reject(module_id, f"conditional label_dim {config.label_dim} must equal the run's {num_classes} classes")
-    memorization = meta.get("memorization")
-    if not isinstance(memorization, (int, float)) or not (math.isnan(memorization) or 0 <= memorization <= 1):
-        raise _reject(module_id, f"memorization must be a share in [0, 1] or NaN (not audited), got {memorization!r}")
-    if max_memorization > 0 and not memorization <= max_memorization:
+    if config.label_dim not in (0, num_classes) or (config.label_dim == 0 and len(classes) != 1):
         raise _reject(
-            module_id, f"declared memorization {memorization} exceeds factory.max-memorization {max_memorization}"
-        )
-    checksum = meta.get("checksum")
-    if not isinstance(checksum, str):
-        raise _reject(module_id, f"checksum must be a sha256 hex string, got {checksum!r}")
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise _reject(module_id, f"tensor {name!r} holds non-finite values")
-    try:
-        # Checks the checksum first, then tensor names, shapes and dtypes against the config's model.
-        generator_from_arrays(config, state, checksum, "meta")
-    except GeneratorFileError as err:
-        raise _reject(module_id, str(err)) from None
-    return GeneratorModule(
-        module_id, site_id, tuple(classes), tuple(counts), config, checksum, float(memorization),
-        {k: v.detach().cpu() for k, v in state.items()},
-    )  # fmt: skip
+            module_id, f"label_dim {config.label_dim} with classes {classes}: valid are one class and label_dim 0 "
+            f"(unconditional) or label_dim = the run's {num_classes} classes (conditional)"
+        )  # fmt: skip
+    expected_id = module_id_for(site_id, classes[0] if config.label_dim == 0 else None)
+    if module_id != expected_id:
+        raise _reject(module_id, f"a module of site {site_id} with classes {classes} is named {expected_id!r}")
+    if planned is not None:
+        expected = planned(site_id, tuple(classes), tuple(counts)).config
+        if config != expected:
+            differing = [k for k, v in expected.to_dict().items() if config.to_dict()[k] != v]
+            raise _reject(module_id, f"generator config fields {differing} differ from the run config's generator")
+    memorization = _memorization(meta, module_id, 0.0)
+    checksum = _checked_weights(module_id, config, meta, state)
+    return GeneratorModule(module_id, site_id, tuple(classes), tuple(counts), config, checksum, memorization, state)
 
 
 def validate_modules(
@@ -163,40 +214,80 @@ def validate_modules(
     *,
     num_classes: int,
     image_shape: tuple[int, int, int],
-    max_memorization: float = 0.0,
+    planned: Callable[[int, tuple[int, ...], tuple[int, ...]], PlannedModule] | None = None,
 ) -> list[GeneratorModule]:
-    """Every declared module checked against its weights (`states`: module id -> weights, one ArrayRecord
-    each on the wire); UploadRejected names the first problem."""
-    if not isinstance(metas, list) or not metas:
-        raise UploadRejected(f"the upload must list at least one module, got {str(metas)[:200]!r}")
-    declared = [m.get("module-id") if isinstance(m, dict) else None for m in metas]
-    if len(set(map(str, declared))) != len(declared):
-        raise UploadRejected(f"module ids {declared} are not distinct")
-    if set(map(str, declared)) != set(states):
-        raise UploadRejected(f"metadata lists modules {sorted(map(str, declared))} but weights came for {sorted(states)}")
-    return [_checked_module(m, states[m["module-id"]], num_classes, image_shape, max_memorization) for m in metas]
+    """Every module of a library checked against its weights (`states`: module id -> weights); with
+    `planned` (site id, classes, image counts -> the module the run config makes), each config must be
+    the run's. UploadRejected names the first problem."""
+    if not isinstance(metas, list) or not metas or not all(isinstance(m, dict) for m in metas):
+        raise UploadRejected(f"modules must be a non-empty list of module metadata objects, got {_shown(metas)}")
+    declared = [m.get("module-id") for m in metas]
+    invalid = [d for d in declared if not isinstance(d, str) or not MODULE_ID.match(d)]
+    if invalid:
+        raise UploadRejected(
+            f"module id {_shown(invalid[0])} is invalid; valid: a string of letters, digits, '_' and '-', at most 64"
+        )
+    if len(set(declared)) != len(declared):
+        raise UploadRejected(f"module ids {_shown(declared)} are not distinct")
+    if set(declared) != set(states):
+        raise UploadRejected(f"metadata lists modules {_shown(sorted(declared))} but weights came for {_shown(sorted(states))}")
+    return [_checked_module(m, states[m["module-id"]], num_classes, image_shape, planned) for m in metas]
 
 
 def validate_upload(
     meta: dict,
     states: dict[str, dict[str, torch.Tensor]],
     *,
-    num_classes: int,
+    site_id: int,
+    plan: Sequence[PlannedModule],
     image_shape: tuple[int, int, int],
     max_memorization: float = 0.0,
 ) -> list[GeneratorModule]:
-    """One site's upload ({"site-id", "image-shape", "modules": [module metadata]}) after every check: the
-    site's images have the run's shape, all modules are valid and all come from the uploading site."""
+    """One site's upload ({"site-id", "image-shape", "modules": [module metadata]}) checked against what
+    the server derived for it: `site_id` is the one its node gave in its own survey reply, `plan` the
+    modules its label counts and the run config make. The site supplies only weights, checksums and its
+    memorisation audit; every other declared fact must equal the plan."""
     if not isinstance(meta, dict):
         raise UploadRejected(f"upload metadata must be a JSON object, got {type(meta).__name__}")
-    if meta.get("image-shape") != list(image_shape):
-        raise UploadRejected(f"the site's images are {meta.get('image-shape')!r} (C, H, W); the run's are {list(image_shape)}")
-    modules = validate_modules(
-        meta.get("modules"), states, num_classes=num_classes, image_shape=image_shape, max_memorization=max_memorization
-    )
-    strays = [m.module_id for m in modules if m.site_id != meta.get("site-id")]
-    if strays:
-        raise UploadRejected(f"modules {strays} claim another site than the uploader's site-id {meta.get('site-id')!r}")
+    if not _same_json(meta.get("site-id"), site_id):
+        raise UploadRejected(
+            f"the upload claims site-id {_shown(meta.get('site-id'))}, but its node answered the survey as site "
+            f"{site_id}; a node may upload only its own site's generators"
+        )
+    if not _same_json(meta.get("image-shape"), list(image_shape)):
+        raise UploadRejected(f"the site's images are {_shown(meta.get('image-shape'))} (C, H, W); the run's are {list(image_shape)}")
+    metas = meta.get("modules")
+    expected_ids = [p.module_id for p in plan]
+    if not isinstance(metas, list) or not all(isinstance(m, dict) for m in metas):
+        raise UploadRejected(f"modules must be a list of module metadata objects, got {_shown(metas)}")
+    declared = [m.get("module-id") for m in metas]
+    if not _same_json(sorted(map(str, declared)), sorted(expected_ids)) or len(declared) != len(expected_ids):
+        raise UploadRejected(
+            f"the upload declares modules {_shown(declared)}; this site's survey label counts and the run config "
+            f"make exactly {expected_ids}"
+        )
+    if sorted(states) != sorted(expected_ids):
+        raise UploadRejected(f"weights came for modules {_shown(sorted(states))}; expected {expected_ids}")
+    by_id = {m["module-id"]: m for m in metas}
+    modules = []
+    for planned in plan:
+        module_meta, module_id = by_id[planned.module_id], planned.module_id
+        server_facts = {"site-id": site_id, "classes": list(planned.classes), "image-counts": list(planned.image_counts),
+                        "config": planned.config.to_dict()}  # fmt: skip
+        for key, expected in server_facts.items():
+            if not _same_json(module_meta.get(key), expected):
+                raise _reject(
+                    module_id, f"declared {key} {_shown(module_meta.get(key))} differs from the server's, derived from the "
+                    f"site's survey and the run config: {_shown(expected)}"
+                )  # fmt: skip
+        memorization = _memorization(module_meta, module_id, max_memorization)
+        checksum = _checked_weights(module_id, planned.config, module_meta, states[module_id])
+        modules.append(
+            GeneratorModule(
+                module_id, site_id, planned.classes, planned.image_counts, planned.config, checksum, memorization,
+                states[module_id],
+            )
+        )  # fmt: skip
     return modules
 
 
@@ -252,27 +343,41 @@ def write_library(library: Library, directory: Path) -> Path:
 
 
 def read_library(directory: Path) -> Library:
-    """Read and verify a library: every file's sha256 (generator_io) and every module's weight checksum."""
+    """Read and verify a library: every file's sha256 (generator_io) and every module as `validate_modules`
+    checks it; GeneratorFileError or UploadRejected (both ValueErrors) name the file and the problem."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise GeneratorFileError(f"cannot read the library manifest {directory / MANIFEST}: {err}") from None
-    if manifest.get("format") != LIBRARY_FORMAT or manifest.get("version") != LIBRARY_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != LIBRARY_FORMAT or manifest.get("version") != LIBRARY_VERSION:
         raise GeneratorFileError(f"{directory / MANIFEST} is not a {LIBRARY_FORMAT} version {LIBRARY_VERSION} manifest")
-    return library_from_manifest(
-        manifest, {str(m["module-id"]): dict(load_generator(directory / str(m["module-id"]))[0].state_dict())
-                   for m in manifest["modules"] if MODULE_ID.match(str(m.get("module-id")))},
-    )  # fmt: skip
+    entries = manifest.get("modules")
+    ids = [m.get("module-id") for m in entries if isinstance(m, dict)] if isinstance(entries, list) else []
+    # Only ids that are plain file names are opened; validate_modules rejects the others by name.
+    states = {i: dict(load_generator(directory / i)[0].state_dict()) for i in ids if isinstance(i, str) and MODULE_ID.match(i)}
+    return library_from_manifest(manifest, states)
 
 
-def library_from_manifest(manifest: dict, states: dict[str, dict[str, torch.Tensor]]) -> Library:
+def library_from_manifest(
+    manifest: dict,
+    states: dict[str, dict[str, torch.Tensor]],
+    planned: Callable[[int, tuple[int, ...], tuple[int, ...]], PlannedModule] | None = None,
+) -> Library:
     """A library from its manifest and module weights (read from disk, or relayed to a site), every module
-    validated as an upload is."""
+    validated (see `validate_modules`)."""
     if not isinstance(manifest, dict) or any(k not in manifest for k in ("num-classes", "image-shape", "class-names", "modules")):
-        raise UploadRejected("a library manifest needs num-classes, image-shape, class-names and modules")
-    num_classes, image_shape = manifest["num-classes"], tuple(manifest["image-shape"])
-    modules = validate_modules(manifest["modules"], states, num_classes=num_classes, image_shape=image_shape)
-    return Library(tuple(modules), num_classes, image_shape, tuple(manifest["class-names"]))
+        raise UploadRejected("a library manifest is an object with num-classes, image-shape, class-names and modules")
+    num_classes, image_shape, names = manifest["num-classes"], manifest["image-shape"], manifest["class-names"]
+    if not _is_int(num_classes) or not 1 <= num_classes <= 100_000:
+        raise UploadRejected(f"library num-classes must be an int in 1..100000, got {_shown(num_classes)}")
+    if not (isinstance(image_shape, list) and len(image_shape) == 3 and all(_is_int(v) and 1 <= v <= 4096 for v in image_shape)):
+        raise UploadRejected(f"library image-shape must be three ints [C, H, W] in 1..4096, got {_shown(image_shape)}")
+    if not (isinstance(names, list) and len(names) == num_classes and all(isinstance(n, str) for n in names)):
+        raise UploadRejected(f"library class-names must be {num_classes} strings, got {_shown(names)}")
+    modules = validate_modules(
+        manifest["modules"], states, num_classes=num_classes, image_shape=tuple(image_shape), planned=planned
+    )
+    return Library(tuple(modules), num_classes, tuple(image_shape), tuple(names))
 
 
 # --- class-balanced synthesis ----------------------------------------------------------------------------
@@ -391,12 +496,17 @@ def save_synthetic(synthetic: SyntheticSet, path: Path) -> Path:
 
 
 def load_synthetic(path: Path) -> SyntheticSet:
-    with safe_open(str(path), framework="numpy") as handle:
-        jobs = tuple(SampleJob(**j) for j in json.loads(handle.metadata()["jobs"]))
-    arrays = load_numpy_file(str(path))
-    if len(arrays["images"]) != sum(j.count for j in jobs) or arrays["source"].max(initial=-1) >= len(jobs):
+    """The stored synthetic set; ValueError naming the file when it is not one `save_synthetic` wrote."""
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            jobs = tuple(SampleJob(**j) for j in json.loads((handle.metadata() or {})["jobs"]))
+        arrays = load_numpy_file(str(path))
+        images, labels, source = arrays["images"], arrays["labels"], arrays["source"]
+    except (OSError, SafetensorError, ValueError, TypeError, KeyError, RecursionError) as err:
+        raise ValueError(f"{path} is not a synthetic set written by fedskew ({type(err).__name__}: {err})") from None
+    if len(images) != sum(j.count for j in jobs) or not len(labels) == len(source) == len(images) or source.max(initial=-1) >= len(jobs):
         raise ValueError(f"{path}: the stored images do not match the sampling plan in its header")
-    return SyntheticSet(arrays["images"], arrays["labels"], arrays["source"], jobs)
+    return SyntheticSet(images, labels, source, jobs)
 
 
 # --- sample grids -------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from fedskew.factory.timing import Elapsed, timed
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
+    PlannedModule,
     derived_seed,
     module_id_for,
     sampling_plan,
@@ -72,12 +73,6 @@ def generator_config(
     return dataclasses.replace(sized, total_images=steps * sized.batch_size)
 
 
-def held_classes(labels: np.ndarray, num_classes: int, min_images: int) -> list[int]:
-    """Classes with at least `min_images` training images at this site."""
-    counts = np.bincount(labels, minlength=num_classes)
-    return [int(c) for c in np.flatnonzero(counts >= min_images)]
-
-
 def nearest_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:
     """L2 distance (pixel space) from each query image to its nearest reference image."""
     q, r = queries.reshape(len(queries), -1).astype(np.float64), references.reshape(len(references), -1).astype(np.float64)
@@ -128,44 +123,64 @@ def check_memorization(modules: list[GeneratorModule], max_memorization: float) 
         )
 
 
+def planned_module(
+    cfg: RunConfig, site_id: int, classes: tuple[int, ...], image_counts: tuple[int, ...],
+    image_shape: tuple[int, int, int], num_classes: int,
+) -> PlannedModule:
+    """The generator of `classes` at site `site_id` (one class: unconditional; else conditional), its
+    config and seed determined by the run config and the images it trains on."""
+    conditional = cfg.factory.conditional
+    # Purpose tag 0 = generators; class id + 1 per unconditional module, 0 for the conditional one.
+    seed = derived_seed(cfg.seed, site_id, 0, 0 if conditional else classes[0] + 1)
+    config = generator_config(cfg.factory, image_shape, num_classes if conditional else 0, sum(image_counts), seed)
+    return PlannedModule(module_id_for(site_id, None if conditional else classes[0]), classes, image_counts, config)
+
+
+def planned_modules(
+    cfg: RunConfig, site_id: int, label_counts: list[int], image_shape: tuple[int, int, int]
+) -> list[PlannedModule]:
+    """The generators a site with these training label counts trains: one unconditional module per class
+    with at least factory.min-class-images images (or one conditional module of them all). The server
+    derives the same plan from the site's survey to check its upload."""
+    classes = [c for c, n in enumerate(label_counts) if n >= cfg.factory.min_class_images]
+    groups = ([classes] if classes else []) if cfg.factory.conditional else [[c] for c in classes]
+    return [
+        planned_module(cfg, site_id, tuple(g), tuple(int(label_counts[c]) for c in g), image_shape, len(label_counts))
+        for g in groups
+    ]
+
+
 def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
     """One unconditional generator per class held (or one conditional one), each audited; returns the
     modules (EMA weights) and timing metrics. Raises MemorizationRefusal instead of returning modules
     that fail the audit."""
     factory = cfg.factory
-    classes = held_classes(site.train_labels, site.num_classes, factory.min_class_images)
-    if not classes:
+    counts = np.bincount(site.train_labels, minlength=site.num_classes)
+    plan = planned_modules(cfg, site.site_id, counts.tolist(), tuple(site.train_images.shape[1:]))
+    if not plan:
         raise ValueError(
             f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "
-            f"training images (counts: {np.bincount(site.train_labels, minlength=site.num_classes).tolist()})"
+            f"training images (counts: {counts.tolist()})"
         )
-    counts = np.bincount(site.train_labels, minlength=site.num_classes)
-    image_shape = tuple(site.train_images.shape[1:])
-    conditional = factory.conditional
-    groups = [classes] if conditional else [[c] for c in classes]
     modules, training, audit = [], Elapsed(), Elapsed()
-    for group in groups:
-        # Purpose tag 0 = generators; class id + 1 per unconditional module, 0 for the conditional one.
-        seed = derived_seed(cfg.seed, site.site_id, 0, 0 if conditional else group[0] + 1)
-        chosen = np.isin(site.train_labels, group)
-        config = generator_config(factory, image_shape, site.num_classes if conditional else 0, int(chosen.sum()), seed)
+    for planned in plan:
+        chosen = np.isin(site.train_labels, planned.classes)
         with timed(training):
             model, stats = train_generator(
-                site.train_images[chosen], site.train_labels[chosen] if conditional else None, config,
-                progress=None, device=device,
+                site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
+                planned.config, progress=None, device=device,
             )  # fmt: skip
         with timed(audit):
-            score = audit_generator(model, group, site, factory, seed, device)
+            score = audit_generator(model, list(planned.classes), site, factory, planned.config.seed, device)
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        module_id = module_id_for(site.site_id, None if conditional else group[0])
         modules.append(
             GeneratorModule(
-                module_id, site.site_id, tuple(group), tuple(int(counts[c]) for c in group), config,
+                planned.module_id, site.site_id, planned.classes, planned.image_counts, planned.config,
                 state_dict_checksum(state), score, state,
             )
         )  # fmt: skip
         print(
-            f"site {site.site_id}: generator {module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
+            f"site {site.site_id}: generator {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
             f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
             flush=True,
         )

@@ -13,19 +13,21 @@ experts: the before/after table shows what the ensemble still knows.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from fedskew.config import RunConfig
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_classifier, train_classifier
 from fedskew.factory.library import SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
+from fedskew.models.build import weights_mismatch
 from fedskew.report import try_write_report
-from fedskew.results import RunRecorder, write_json
+from fedskew.results import RunRecorder, read_json, write_json
 from fedskew.server_tasks import load_server_test_set
 from fedskew.training import evaluate, pick_device
 
@@ -55,14 +57,48 @@ def modules_to_forget(library: Library, site: int | None = None, class_id: int |
     return [m.module_id for m in chosen]
 
 
-def _load_experts(run_dir: Path, num_classes: int, image_shape: tuple[int, int, int]) -> dict[int, torch.nn.Module]:
-    manifest = json.loads((run_dir / "experts" / "manifest.json").read_text())
+def _load_weights(path: Path, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model's weights from the source run, checked against the model they belong to."""
+    try:
+        state = load_file(str(path))
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    problem = weights_mismatch(state, reference)
+    if problem:
+        raise ValueError(f"{path} does not fit the run's classifier: {problem}")
+    return state
+
+
+def _load_experts(run_dir: Path, cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> dict[int, torch.nn.Module]:
+    """The P2P experts of the source run. Each entry of experts/manifest.json must name its own file,
+    `site-<id>.safetensors` in that folder (as the run wrote it): nothing else is opened."""
+    path = run_dir / "experts" / "manifest.json"
+    manifest = read_json(path)
+    entries = manifest.get("experts") if isinstance(manifest, dict) else None
+    if not isinstance(entries, list) or manifest.get("classifier") != cfg.factory.classifier:
+        raise ValueError(f"{path} must list the experts of a {cfg.factory.classifier} classifier, as the run wrote it")
     experts = {}
-    for entry in manifest["experts"]:
-        model = build_classifier(manifest["classifier"], image_shape, num_classes)
-        model.load_state_dict(load_file(str(run_dir / "experts" / entry["file"])))
-        experts[int(entry["site-id"])] = model.eval()
+    for entry in entries:
+        site_id = entry.get("site-id") if isinstance(entry, dict) else None
+        if not isinstance(site_id, int) or isinstance(site_id, bool) or site_id in experts:
+            raise ValueError(f"{path}: expert entry {str(entry)[:200]} needs a distinct int site-id")
+        if entry.get("file") != f"site-{site_id}.safetensors":
+            raise ValueError(f"{path}: the expert of site {site_id} must be the file 'site-{site_id}.safetensors', got {str(entry.get('file'))[:200]!r}")
+        model = build_classifier(cfg.factory.classifier, image_shape, num_classes)
+        model.load_state_dict(_load_weights(run_dir / "experts" / entry["file"], model.state_dict()))
+        experts[site_id] = model.eval()
     return experts
+
+
+def output_folder(run_dir: Path, out: Path | None, what: str) -> Path:
+    """Where the unlearned run goes: `out`, or RUN_DIR-forget-<what> beside the source run; never inside
+    the source run (the source stays unchanged) and never an existing path."""
+    target = (Path(out) if out else run_dir.parent / f"{run_dir.name}-forget-{what}").resolve()
+    if target == run_dir or run_dir in target.parents:
+        raise ValueError(f"--out {target} lies inside the source run {run_dir}; valid: a new folder outside it")
+    if target.exists():
+        raise ValueError(f"{target} already exists; valid: a new folder (remove it or give another --out)")
+    return target
 
 
 def recall_table(class_names: list[str], columns: dict[str, list[float]], forgotten: list[int]) -> str:
@@ -76,11 +112,28 @@ def recall_table(class_names: list[str], columns: dict[str, list[float]], forgot
 
 
 def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = None, out: Path | None = None) -> Path:
-    """Write a new run directory without the modules of `site` (or of `class_id`); returns its path."""
+    """Write a new run directory without the modules of `site` (or of `class_id`); returns its path. It is
+    built in a staging folder beside it and renamed when complete, so a failure leaves nothing behind."""
     run_dir = Path(run_dir).resolve()
-    cfg = RunConfig.from_run_config(json.loads((run_dir / "config.json").read_text()))
+    config = read_json(run_dir / "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{run_dir / 'config.json'} is not a run config (a JSON object)")
+    cfg = RunConfig.from_run_config(config)
     if cfg.method not in FACTORY_METHODS:
         raise ValueError(f"{run_dir} is a {cfg.method!r} run; unlearning needs a run of method {' or '.join(FACTORY_METHODS)}")
+    target = output_folder(run_dir, out, f"site{site}" if site is not None else f"class{class_id}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        _write_unlearned(run_dir, cfg, staging, site, class_id)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | None, class_id: int | None) -> None:
     library = read_library(run_dir / "library")
     forgotten = modules_to_forget(library, site, class_id)
     kept = library.without(forgotten)
@@ -90,8 +143,6 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
         raise ValueError("the run has test-data = 'federated': the server holds no test split to measure unlearning on")
     device = pick_device(cfg.device)
 
-    target = Path(out) if out else run_dir.parent / f"{run_dir.name}-forget-{'site' if site is not None else 'class'}{site if site is not None else class_id}"
-    target.mkdir(parents=True, exist_ok=False)
     for name in COPIED_FILES:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, target / name)
@@ -102,7 +153,7 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
 
     recorder = RunRecorder(path=target, multilabel=False, method=cfg.method)
     source_model = build_classifier(cfg.factory.classifier, library.image_shape, library.num_classes)
-    source_model.load_state_dict(load_file(str(run_dir / "model.safetensors")))
+    source_model.load_state_dict(_load_weights(run_dir / "model.safetensors", source_model.state_dict()))
     before = evaluate(source_model, test.test_images, test.test_labels, device=device)
     model, stats = train_classifier(
         synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_section(cfg.factory),
@@ -124,16 +175,17 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
     }  # fmt: skip
 
     if cfg.method == "factory-p2p":
-        experts = _load_experts(run_dir, library.num_classes, library.image_shape)
+        experts = _load_experts(run_dir, cfg, library.num_classes, library.image_shape)
         dropped_sites = sorted({library.module(m).site_id for m in forgotten})
         remaining = {s: e for s, e in experts.items() if s not in dropped_sites}
         if not remaining:
             raise ValueError(f"forgetting sites {dropped_sites} leaves no expert for the Product of Experts")
-        shutil.copytree(run_dir / "experts", target / "experts")
-        for s in set(experts) - set(remaining):
-            (target / "experts" / f"site-{s}.safetensors").unlink()
-        manifest = json.loads((target / "experts" / "manifest.json").read_text())
-        manifest["experts"] = [e for e in manifest["experts"] if int(e["site-id"]) in remaining]
+        # Only the files _load_experts checked are copied.
+        (target / "experts").mkdir()
+        for s in remaining:
+            shutil.copy2(run_dir / "experts" / f"site-{s}.safetensors", target / "experts" / f"site-{s}.safetensors")
+        manifest = read_json(run_dir / "experts" / "manifest.json")
+        manifest["experts"] = [e for e in manifest["experts"] if e["site-id"] in remaining]
         write_json(target / "experts" / "manifest.json", manifest)
         poe_before = evaluate(ExpertEnsemble(list(experts.values())), test.test_images, test.test_labels, device=device)
         poe_after = evaluate(ExpertEnsemble(list(remaining.values())), test.test_images, test.test_labels, device=device)
@@ -155,4 +207,3 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
     recorder.write_summary("completed")
     recorder.plot_curves()
     try_write_report(target)
-    return target

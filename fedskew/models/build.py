@@ -34,3 +34,19 @@ def build_model(
         num_heads=cfg.fednca.heads,
         projection_dim=cfg.fednca.projection_dim or None,
     )
+
+
+def weights_mismatch(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` cannot be loaded into a model whose state dict is `reference` (tensor names, shapes,
+    dtypes, finite values), or None when it can."""
+    if set(state) != set(reference):
+        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+        return f"the tensors do not match the model's: missing {missing[:5]}, unexpected {extra[:5]}"
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(reference[name].shape):
+            return f"tensor {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(reference[name].shape)}"
+        if tensor.dtype != reference[name].dtype:
+            return f"tensor {name!r} has dtype {tensor.dtype}, the model's is {reference[name].dtype}"
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return f"tensor {name!r} holds non-finite values"
+    return None

@@ -67,8 +67,9 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; tuples keep the frozen config hashable and comparable.
-        object.__setattr__(self, "channel_mult", tuple(self.channel_mult))
-        object.__setattr__(self, "attn_resolutions", tuple(self.attn_resolutions))
+        for name in ("channel_mult", "attn_resolutions"):
+            _require(isinstance(getattr(self, name), (list, tuple)), f"{name} must be a list, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         _validate_config(self)
 
     @property
@@ -131,17 +132,37 @@ def attention_heads(channels: int) -> int:
     return max(1, channels // CHANNELS_PER_HEAD)
 
 
+# Upper bounds of every int field: far above any real generator (the paper's is 128 channels, 4 levels,
+# 3 blocks), low enough that a config received from another site builds (on the meta device) in well
+# under a second and its sizes fit every integer type they meet (torch seeds, shapes, schedules).
+INT_FIELD_RANGES = {
+    "img_resolution": (1, 1024), "img_channels": (1, 16), "model_channels": (1, 1024), "num_blocks": (1, 16),
+    "batch_size": (1, 1 << 20), "total_images": (1, 1 << 48), "t_ref": (1, 1 << 48),
+    "label_dim": (0, 100_000), "t_rampup": (0, 1 << 48), "seed": (0, (1 << 63) - 1),
+}
+MAX_LEVELS = 8
+MAX_CHANNEL_MULT = 16
+FLOAT_FIELDS = ("dropout", "ref_lr", "sigma_rel", "P_mean", "P_std")
+
+
 def _validate_config(config: GeneratorConfig) -> None:
-    for name in ("img_resolution", "img_channels", "model_channels", "num_blocks",
-                 "batch_size", "total_images", "t_ref"):
+    for name, (low, high) in INT_FIELD_RANGES.items():
         value = getattr(config, name)
-        _require(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-    for name in ("label_dim", "t_rampup", "seed"):
+        _require(_is_int(value) and low <= value <= high, f"{name} must be an int in {low}..{high}, got {value!r}")
+    for name in FLOAT_FIELDS:
         value = getattr(config, name)
-        _require(_is_int(value) and value >= 0, f"{name} must be an int >= 0, got {value!r}")
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+            f"{name} must be a finite number, got {value!r}",
+        )
     _require(
-        len(config.channel_mult) >= 1 and all(_is_int(m) and m >= 1 for m in config.channel_mult),
-        f"channel_mult must be a non-empty list of ints >= 1, got {list(config.channel_mult)}",
+        1 <= len(config.channel_mult) <= MAX_LEVELS
+        and all(_is_int(m) and 1 <= m <= MAX_CHANNEL_MULT for m in config.channel_mult),
+        f"channel_mult must be a list of 1..{MAX_LEVELS} ints in 1..{MAX_CHANNEL_MULT}, got {list(config.channel_mult)[:10]}",
+    )
+    _require(
+        len(config.attn_resolutions) <= MAX_LEVELS and all(_is_int(r) for r in config.attn_resolutions),
+        f"attn_resolutions must be a list of at most {MAX_LEVELS} ints, got {list(config.attn_resolutions)[:10]}",
     )
     _validate_resolution_levels(config.img_resolution, config.channel_mult)
     levels = config.level_resolutions

@@ -73,12 +73,18 @@ def _check_tensors_match(reference: Mapping[str, torch.Tensor],
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype != "float32":
             raise GeneratorFileError(f"generator tensor {name!r} has dtype {dtype}, expected float32")
+        if not torch.isfinite(torch.as_tensor(tensor)).all():
+            raise GeneratorFileError(f"generator tensor {name!r} holds non-finite values")
 
 
 def _model_from_tensors(config: GeneratorConfig, tensors: Mapping[str, torch.Tensor | np.ndarray],
-                        device: torch.device | str) -> Precond:
+                        device: torch.device | str, checksum: str | None = None) -> Precond:
+    """The generator, after checking names, shapes, dtypes and values and (given) the checksum, in that
+    order: the checksum reads every tensor as float32."""
     model = build_generator(config, "meta")  # names and shapes only; no weights are drawn
     _check_tensors_match(model.state_dict(), tensors)
+    if checksum is not None and (actual := state_dict_checksum(tensors)) != checksum:
+        raise GeneratorFileError(f"generator checksum mismatch: payload has {actual}, metadata says {checksum}")
     # np.array copies: received arrays may be read-only buffers.
     state = {name: torch.from_numpy(np.array(_as_numpy(value))) for name, value in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -91,11 +97,8 @@ def generator_from_arrays(
     checksum: str,
     device: torch.device | str = "cpu",
 ) -> Precond:
-    """Rebuild a generator (eval mode) from received arrays after checking checksum, names and shapes."""
-    actual = state_dict_checksum(arrays)
-    if actual != checksum:
-        raise GeneratorFileError(f"generator checksum mismatch: payload has {actual}, metadata says {checksum}")
-    return _model_from_tensors(config, arrays, device)
+    """Rebuild a generator (eval mode) from received arrays after checking names, shapes, values and checksum."""
+    return _model_from_tensors(config, arrays, device, checksum)
 
 
 def _paths(path_stem: str | Path) -> tuple[Path, Path]:
@@ -129,7 +132,7 @@ def save_generator(model: Precond, config: GeneratorConfig, path_stem: str | Pat
 def _read_meta(meta_path: Path) -> dict:
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise GeneratorFileError(f"cannot read generator metadata {meta_path}: {error}") from error
     if not isinstance(meta, dict) or meta.get("format") != FILE_FORMAT or meta.get("version") != FILE_VERSION:
         raise GeneratorFileError(

@@ -16,6 +16,8 @@ Bytes are counted as Flower serialises each message (RecordingMixin), per site a
 from __future__ import annotations
 
 import json
+import math
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,7 +26,6 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
@@ -36,6 +37,7 @@ from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_c
 from fedskew.factory.library import (
     SYNTHETIC_FILE,
     GeneratorModule,
+    MAX_IMAGE_COUNT,
     Library,
     UploadRejected,
     class_balanced_set,
@@ -45,8 +47,9 @@ from fedskew.factory.library import (
     validate_upload,
     write_library,
 )
-from fedskew.factory.site import train_site_expert, train_site_generators
+from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators
 from fedskew.factory.timing import Elapsed, timed
+from fedskew.models.edm2 import build_generator
 from fedskew.results import RunRecorder, write_json
 from fedskew.strategies.recording import RecordingMixin
 from fedskew.training import evaluate
@@ -72,6 +75,12 @@ class TaskLike(Protocol):
 
 
 PACKED_KEY = "safetensors"
+# A packed payload is its tensors' bytes plus a JSON header of ~100 bytes per tensor: 1 MiB is ample.
+HEADER_ALLOWANCE = 1 << 20
+# The module metadata nests 4 deep (manifest, modules, module, config lists); anything deeper is not ours.
+MANIFEST_DEPTH = 8
+# One module's metadata is under 1 KB of JSON.
+MANIFEST_CHARS_PER_MODULE = 16_384
 
 
 def packed_weights(state: dict[str, torch.Tensor]) -> ArrayRecord:
@@ -82,14 +91,58 @@ def packed_weights(state: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({PACKED_KEY: Array(np.frombuffer(blob, dtype=np.uint8))})
 
 
-def unpacked_weights(record: ArrayRecord, what: str) -> dict[str, torch.Tensor]:
-    """The weights `packed_weights` packed; UploadRejected (naming `what`) when the record is not that."""
+def packed_size_limit(reference: dict[str, torch.Tensor]) -> int:
+    """The most bytes the packed weights of a model shaped like `reference` (any device, meta too) take."""
+    return sum(t.numel() * t.element_size() for t in reference.values()) + HEADER_ALLOWANCE
+
+
+def generator_payload_limit(cfg: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> int:
+    """The most bytes one packed generator of this run takes: its architecture follows from the run config
+    and the image shape alone, so the limit is known before any upload arrives."""
+    classes = tuple(range(num_classes)) if cfg.factory.conditional else (0,)
+    probe = planned_module(cfg, 0, classes, (1,) * len(classes), image_shape, num_classes)
+    return packed_size_limit(build_generator(probe.config, "meta").state_dict())
+
+
+def unpacked_weights(record: ArrayRecord, what: str, max_bytes: int) -> dict[str, torch.Tensor]:
+    """The weights `packed_weights` packed; UploadRejected (naming `what`) when the record is not that or
+    is larger than `max_bytes` (checked before anything is copied or parsed)."""
     if list(record) != [PACKED_KEY]:
-        raise UploadRejected(f"{what}: expected one array '{PACKED_KEY}' (the packed weights), got {sorted(record)}")
+        raise UploadRejected(f"{what}: expected one array '{PACKED_KEY}' (the packed weights), got {sorted(record)[:5]}")
+    array = record[PACKED_KEY]
+    if array.dtype != "uint8" or len(array.shape) != 1:
+        raise UploadRejected(f"{what}: the packed weights must be one uint8 vector, got {array.dtype} {array.shape}")
+    if len(array.data) > max_bytes:
+        raise UploadRejected(f"{what}: the packed weights take {len(array.data)} bytes; this run's model takes at most {max_bytes}")
     try:
-        return load_safetensors(record[PACKED_KEY].numpy().tobytes())
-    except (SafetensorError, ValueError) as err:
+        return load_safetensors(array.numpy().tobytes())
+    except Exception as err:  # noqa: BLE001 - numpy and safetensors document no closed set of parse errors
         raise UploadRejected(f"{what}: the packed weights are not a readable safetensors payload ({err})") from None
+
+
+def json_depth(value) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 1), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_manifest(text, max_chars: int) -> dict:
+    """The module metadata JSON, its size and nesting bounded; UploadRejected says what is wrong."""
+    if not isinstance(text, str) or len(text) > max_chars:
+        size = len(text) if isinstance(text, str) else type(text).__name__
+        raise UploadRejected(f"the module metadata must be a JSON string of at most {max_chars} characters, got {size}")
+    try:
+        manifest = json.loads(text)
+    except (ValueError, RecursionError) as err:  # ValueError: bad JSON, or an integer of over 4300 digits
+        raise UploadRejected(f"the module metadata is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(manifest, dict) or json_depth(manifest) > MANIFEST_DEPTH:
+        raise UploadRejected(f"the module metadata must be a JSON object nested at most {MANIFEST_DEPTH} deep")
+    return manifest
 
 
 def encode_modules(manifest: dict, modules: list[GeneratorModule]) -> RecordDict:
@@ -100,16 +153,19 @@ def encode_modules(manifest: dict, modules: list[GeneratorModule]) -> RecordDict
     return content
 
 
-def decode_modules(content: RecordDict) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """(manifest, module id -> weights); UploadRejected when the message is not in that form."""
+def decode_modules(
+    content: RecordDict, max_bytes: int, expected_ids: list[str] | None = None
+) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(manifest, module id -> weights), each generator at most `max_bytes` packed and, given
+    `expected_ids`, exactly those modules (checked before any is decoded); UploadRejected otherwise."""
     if MANIFEST_KEY not in content.config_records or "json" not in content[MANIFEST_KEY]:
         raise UploadRejected(f"the message has no '{MANIFEST_KEY}' record with the module metadata")
-    try:
-        manifest = json.loads(str(content[MANIFEST_KEY]["json"]))
-    except json.JSONDecodeError as err:
-        raise UploadRejected(f"the module metadata is not valid JSON: {err}") from None
     module_ids = [key.removeprefix(GENERATOR_PREFIX) for key in content.array_records if key.startswith(GENERATOR_PREFIX)]
-    states = {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m!r}") for m in module_ids}
+    if expected_ids is not None and sorted(module_ids) != sorted(expected_ids):
+        shown = sorted(module_ids)[:10]
+        raise UploadRejected(f"weights came for modules {shown}{' ...' if len(module_ids) > 10 else ''}; expected {sorted(expected_ids)}")
+    manifest = parse_manifest(content[MANIFEST_KEY]["json"], MANIFEST_CHARS_PER_MODULE * (len(module_ids) + 1))
+    states = {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m[:80]!r}", max_bytes) for m in module_ids}
     return manifest, states
 
 
@@ -124,19 +180,64 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
 
 
 def site_expert(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
-    """Round 2 at a site: check the relayed library like the server checked the uploads, train the expert."""
-    manifest, states = decode_modules(content)
-    library = library_from_manifest(manifest, states)
-    if library.num_classes != site.num_classes or library.image_shape != tuple(site.train_images.shape[1:]):
+    """Round 2 at a site: check the relayed library like the server checked the uploads (every module's
+    config must be the one the run config makes), train the expert."""
+    image_shape = tuple(site.train_images.shape[1:])
+    manifest, states = decode_modules(content, generator_payload_limit(cfg, image_shape, site.num_classes))
+    library = library_from_manifest(
+        manifest, states,
+        lambda site_id, classes, counts: planned_module(cfg, site_id, classes, counts, image_shape, site.num_classes),
+    )  # fmt: skip
+    if library.num_classes != site.num_classes or library.image_shape != image_shape:
         raise UploadRejected(
             f"the relayed library is for {library.num_classes} classes of {library.image_shape} images; "
-            f"this site has {site.num_classes} classes of {tuple(site.train_images.shape[1:])}"
+            f"this site has {site.num_classes} classes of {image_shape}"
         )
     state, metrics = train_site_expert(cfg, site, library, device)
     return RecordDict({EXPERT_KEY: packed_weights(state), METRICS_KEY: MetricRecord({**metrics, "site-id": site.site_id})})
 
 
 # --- the server's side ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SiteIdentity:
+    """Who a node is, from its own survey reply: everything the server binds its uploads to."""
+
+    node: int
+    site_id: int
+    label_counts: tuple[int, ...]
+
+
+def site_identities(survey: dict[int, dict], num_classes: int) -> tuple[dict[int, SiteIdentity], list[dict]]:
+    """Each node's site id and training label counts from its survey reply, and the refused nodes: a
+    malformed reply, or a site-id that several nodes claim (the server cannot tell which one is the
+    site, so none of them is trusted with it)."""
+    identities, refused = {}, []
+    for node, reply in sorted(survey.items()):
+        site_id, counts = reply.get("site-id"), reply.get("label-counts")
+        if not isinstance(site_id, int) or isinstance(site_id, bool) or not 0 <= site_id < 2**31:
+            refused.append({"node": str(node), "reason": f"survey site-id must be an int in 0..{2**31 - 1}, got {site_id!r}"})
+        elif not (isinstance(counts, list) and len(counts) == num_classes
+                  and all(isinstance(n, int) and 0 <= n <= MAX_IMAGE_COUNT for n in counts)):  # fmt: skip
+            refused.append(
+                {"node": str(node), "reason": f"survey label-counts must be {num_classes} ints in 0..{MAX_IMAGE_COUNT}, "
+                 f"got {str(counts)[:200]}"}
+            )  # fmt: skip
+        else:
+            identities[node] = SiteIdentity(node, site_id, tuple(counts))
+    claimants: dict[int, list[int]] = {}
+    for identity in identities.values():
+        claimants.setdefault(identity.site_id, []).append(identity.node)
+    for site_id, nodes in claimants.items():
+        if len(nodes) > 1:
+            for node in nodes:
+                del identities[node]
+                refused.append(
+                    {"node": str(node), "site-id": site_id, "reason": f"nodes {nodes} all claim site-id {site_id}; "
+                     "each site needs its own (node config site-id), so none of them is trusted with it"}
+                )  # fmt: skip
+    return identities, refused
 
 
 @dataclass
@@ -147,8 +248,13 @@ class Expert:
     metrics: dict
 
 
+# Metrics of an expert the server reads (the P2P round's mean training loss and validation accuracy).
+EXPERT_METRICS = ("train_loss", "val_accuracy")
+
+
 class FactoryFlow(RecordingMixin):
-    """Sends one custom message per site and collects the replies, counting bytes and dropouts."""
+    """Sends one custom message per site and collects the replies, counting bytes and dropouts. A reply
+    the server cannot accept is rejected with its reason and the run goes on with the others."""
 
     def __init__(self, grid: Grid, recorder: RunRecorder, timeout: float):
         self.grid, self.timeout = grid, timeout
@@ -162,59 +268,92 @@ class FactoryFlow(RecordingMixin):
                 print(f"site {reply.metadata.src_node_id} sent no result: {reply.error.reason}", flush=True)
         return [r for r in replies if not r.has_error()]
 
-    def collect_library(self, node_ids: list[int], task: TaskLike, cfg: RunConfig) -> tuple[Library, list[dict]]:
-        """Round 1; returns the library of every upload that passed validation and the rejections."""
+    def checked_replies(self, server_round: int, messages: list[Message], identities: dict[int, SiteIdentity], what: str, check):
+        """(identity, reply, check(identity, reply)) for every reply that passes `check`, and the rejections.
+        `check` raises UploadRejected for a bad reply; any other error is a server bug: its traceback is
+        printed and the reply rejected with that error, so one site never costs the run."""
+        accepted, rejected = [], []
+        for reply in self.exchange(server_round, messages):
+            node = reply.metadata.src_node_id
+            identity = identities.get(node)
+            try:
+                if identity is None:
+                    raise UploadRejected(f"node {node} was not asked for a reply")
+                result = check(identity, reply)
+            except UploadRejected as err:
+                reason = str(err)
+            except Exception as err:  # noqa: BLE001 - see the docstring
+                traceback.print_exc()
+                reason = f"the server failed while checking it ({type(err).__name__}: {err}); please report this fedskew bug"
+            else:
+                accepted.append((identity, reply, result))
+                continue
+            site = f"site {identity.site_id} (node {node})" if identity else f"node {node}"
+            print(f"rejected the {what} of {site}: {reason}", flush=True)
+            rejected.append({"node": str(node), **({"site-id": identity.site_id} if identity else {}), "reason": reason})
+        return accepted, rejected
+
+    def collect_library(self, survey: dict[int, dict], task: TaskLike, cfg: RunConfig) -> tuple[Library, list[dict]]:
+        """Round 1 to every site with a valid survey identity; returns the library of every upload that
+        passed validation and the rejections (refused identities included)."""
+        identities, refused = site_identities(survey, task.num_classes)
+        image_shape = tuple(task.image_shape)
+        max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
+
+        def check(identity: SiteIdentity, reply: Message) -> list[GeneratorModule]:
+            plan = planned_modules(cfg, identity.site_id, list(identity.label_counts), image_shape)
+            manifest, states = decode_modules(reply.content, max_bytes, [p.module_id for p in plan])
+            return validate_upload(
+                manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
+                max_memorization=cfg.factory.max_memorization,
+            )  # fmt: skip
+
         messages = [
             Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
-            for node in node_ids
+            for node in identities
         ]
-        modules, rejected, site_metrics = [], [], []
-        for reply in self.exchange(1, messages):
-            node = reply.metadata.src_node_id
-            try:
-                manifest, states = decode_modules(reply.content)
-                accepted = validate_upload(
-                    manifest, states, num_classes=task.num_classes, image_shape=tuple(task.image_shape),
-                    max_memorization=cfg.factory.max_memorization,
-                )  # fmt: skip
-            except UploadRejected as err:
-                print(f"rejected the upload of site node {node}: {err}", flush=True)
-                rejected.append({"node": str(node), "reason": str(err)})
-                continue
-            modules.extend(accepted)
-            reported = dict(reply.content[METRICS_KEY]) if METRICS_KEY in reply.content.metric_records else {}
-            site_metrics.append({"node": str(node), **reported})
+        accepted, rejected = self.checked_replies(1, messages, identities, "upload", check)
+        modules = [m for _, _, checked in accepted for m in checked]
+        site_metrics = [
+            {"node": str(identity.node), **reported_metrics(reply), "site-id": identity.site_id} for identity, reply, _ in accepted
+        ]
         self.recorder.extra.setdefault("factory", {})["site_metrics"] = site_metrics
         modules.sort(key=lambda m: (m.site_id, m.classes))
-        return Library(tuple(modules), task.num_classes, tuple(task.image_shape), tuple(task.class_names)), rejected
+        library = Library(tuple(modules), task.num_classes, image_shape, tuple(task.class_names))
+        return library, refused + rejected
 
-    def collect_experts(self, node_ids: list[int], library: Library, cfg: RunConfig, task: TaskLike) -> tuple[list[Expert], list[dict]]:
-        """Round 2: relay the library to every site, collect and check their experts."""
+    def collect_experts(self, survey: dict[int, dict], library: Library, cfg: RunConfig, task: TaskLike) -> tuple[list[Expert], list[dict]]:
+        """Round 2: relay the library to every identified site, collect and check their experts."""
+        identities, _ = site_identities(survey, task.num_classes)  # the refused ones are reported in round 1
         reference = build_classifier(cfg.factory.classifier, tuple(task.image_shape), task.num_classes).state_dict()
+        max_bytes = packed_size_limit(reference)
+
+        def check(identity: SiteIdentity, reply: Message) -> Expert:
+            if EXPERT_KEY not in reply.content.array_records:
+                raise UploadRejected("the reply has no expert weights")
+            state = unpacked_weights(reply.content[EXPERT_KEY], "the expert", max_bytes)
+            check_expert_weights(state, reference)
+            metrics = reported_metrics(reply)
+            unusable = [k for k in EXPERT_METRICS if not isinstance(metrics.get(k), (int, float)) or not math.isfinite(metrics[k])]
+            if unusable:
+                raise UploadRejected(f"the expert's metrics {unusable} are missing or not finite numbers")
+            model = build_classifier(cfg.factory.classifier, tuple(task.image_shape), task.num_classes)
+            model.load_state_dict(state)
+            return Expert(identity.node, identity.site_id, model.eval(), {**metrics, "site-id": identity.site_id})
+
         manifest = library.manifest()
         # One RecordDict per message (Flower would otherwise share one object), all with the same records.
         messages = [
             Message(encode_modules(manifest, list(library.modules)), dst_node_id=node, message_type=P2P_MESSAGE)
-            for node in node_ids
+            for node in identities
         ]
-        experts, rejected = [], []
-        for reply in self.exchange(2, messages):
-            node = reply.metadata.src_node_id
-            metrics = dict(reply.content[METRICS_KEY]) if METRICS_KEY in reply.content.metric_records else {}
-            try:
-                if EXPERT_KEY not in reply.content.array_records:
-                    raise UploadRejected("the reply has no expert weights")
-                state = unpacked_weights(reply.content[EXPERT_KEY], "the expert")
-                check_expert_weights(state, reference)
-            except UploadRejected as err:
-                print(f"rejected the expert of site node {node}: {err}", flush=True)
-                rejected.append({"node": str(node), "reason": str(err)})
-                continue
-            model = build_classifier(cfg.factory.classifier, tuple(task.image_shape), task.num_classes)
-            model.load_state_dict(state)
-            experts.append(Expert(node, int(metrics.get("site-id", -1)), model.eval(), metrics))
-        experts.sort(key=lambda e: e.site_id)
-        return experts, rejected
+        accepted, rejected = self.checked_replies(2, messages, identities, "expert", check)
+        return sorted((expert for _, _, expert in accepted), key=lambda e: e.site_id), rejected
+
+
+def reported_metrics(reply: Message) -> dict:
+    """The metrics a site sent along (untrusted: recorded, never used to identify it)."""
+    return dict(reply.content[METRICS_KEY]) if METRICS_KEY in reply.content.metric_records else {}
 
 
 def test_metrics(model: torch.nn.Module, test: ImageDataset | None, device: torch.device) -> dict:
@@ -262,7 +401,7 @@ def save_experts(experts: list[Expert], cfg: RunConfig, task: TaskLike, director
 def run_factory(
     grid: Grid,
     cfg: RunConfig,
-    node_ids: list[int],
+    survey: dict[int, dict],
     task: TaskLike,
     test: ImageDataset | None,
     recorder: RunRecorder,
@@ -270,7 +409,7 @@ def run_factory(
 ) -> None:
     """method factory (round 1) or factory-p2p (rounds 1 and 2); results go to recorder.path."""
     flow = FactoryFlow(grid, recorder, cfg.round_timeout)
-    library, rejected = flow.collect_library(node_ids, task, cfg)
+    library, rejected = flow.collect_library(survey, task, cfg)
     write_library(library, recorder.path / LIBRARY_DIR)
     missing = library.missing_classes()
     report = recorder.extra.setdefault("factory", {})
@@ -294,7 +433,7 @@ def run_factory(
     if cfg.method != "factory-p2p":
         return
 
-    experts, expert_rejected = flow.collect_experts(node_ids, library, cfg, task)
+    experts, expert_rejected = flow.collect_experts(survey, library, cfg, task)
     if not experts:
         raise RuntimeError("no site returned a valid expert in the P2P round; see 'dropped' in summary.json")
     save_experts(experts, cfg, task, recorder.path / EXPERTS_DIR)
