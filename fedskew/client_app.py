@@ -10,11 +10,12 @@ from flwr.clientapp import ClientApp
 from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_site
 from fedskew.config import RunConfig
 from fedskew.factory.site import MemorizationRefusal
+from fedskew.privacy import privacy_mod
 from fedskew.strategies.factory import site_expert, site_upload
 from fedskew.strategies.fednca import ETF_KEY
 from fedskew.training import pick_device
 
-app = ClientApp()
+app = ClientApp(mods=[privacy_mod])
 
 
 def received_etf_array(msg: Message) -> np.ndarray | None:

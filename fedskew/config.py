@@ -117,6 +117,35 @@ class FactorySection(_Section):
     )
 
 
+class DPSection(_Section):
+    """Differential privacy of the weight-averaging methods (fedavg, fedprox, fednca) with Flower's own DP
+    strategy wrappers and ClientApp mods; the epsilon spent is accounted with dp-accounting's RDP accountant."""
+
+    mode: Literal["off", "central-server-clipping", "central-client-clipping", "local"] = Field(
+        "off", description="`central-server-clipping`: the server clips each site's update and noises the average; "
+        "`central-client-clipping`: sites clip, the server noises; `local`: each site clips and noises its own "
+        "update (protects against the server too)."
+    )
+    noise_multiplier: float = Field(
+        1.0, gt=0, le=1000, description="Gaussian noise std over the sensitivity of what is released (central: "
+        "clipping-norm / sites; local: 2 x clipping-norm per site)."
+    )
+    clipping: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="Fixed clipping norm, or adapted each round towards a quantile of the update norms "
+        "(central modes only)."
+    )
+    clipping_norm: float = Field(1.0, gt=0, le=1e6, description="L2 bound of a site's model update (adaptive: "
+        "the initial bound).")
+    target_quantile: float = Field(0.5, ge=0, le=1, description="Adaptive: share of updates left unclipped.")
+    clip_norm_lr: float = Field(0.2, gt=0, le=10, description="Adaptive: geometric learning rate of the bound.")
+    clipped_count_stddev: float = Field(
+        0.0, ge=0, le=1e6, description="Adaptive: noise std of the count of clipped updates (0 = sites / 20, "
+        "Flower's default); must exceed noise-multiplier / 2."
+    )
+    delta: float = Field(0.0, ge=0, lt=1, description="Target delta of the reported epsilon (0 = 1 / training "
+        "examples over all sites).")
+
+
 class RunConfig(_Section):
     method: Literal["fednca", "fedavg", "fedprox", "centralized", "factory", "factory-p2p"] = Field(
         "fednca",
@@ -185,6 +214,7 @@ class RunConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device (auto = CUDA when present).")
     fednca: FedNCASection = Field(default_factory=FedNCASection)
     factory: FactorySection = Field(default_factory=FactorySection)
+    dp: DPSection = Field(default_factory=DPSection)
 
     @field_validator("dataset")
     @classmethod
@@ -223,6 +253,7 @@ class RunConfig(_Section):
             raise _field_error(
                 "partition", self.partition, "iid or multilabel-skew for multi-label data (mosaic-grid > 0)"
             )
+        _check_dp(self)
         return self
 
     @property
@@ -240,6 +271,18 @@ class RunConfig(_Section):
     def to_run_config(self) -> dict[str, Any]:
         """The flat, dotted-key form Flower uses (round-trips through from_run_config)."""
         return _flatten(self.model_dump(by_alias=True))
+
+
+def _check_dp(cfg: RunConfig) -> None:
+    if cfg.dp.mode == "off":
+        return
+    if cfg.method not in ("fedavg", "fedprox", "fednca"):
+        raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (DP covers fedavg, fedprox, fednca)")
+    if cfg.dp.mode != "local" and cfg.aggregation != "unweighted":
+        # The noise is calibrated to clipping-norm / sites: a weighted average gives one site more influence.
+        raise _field_error("aggregation", cfg.aggregation, f"unweighted with dp.mode = {cfg.dp.mode!r}")
+    if cfg.dp.mode == "local" and cfg.dp.clipping == "adaptive":
+        raise _field_error("dp.clipping", "adaptive", "fixed with dp.mode = 'local' (Flower's LocalDpMod clips at a fixed norm)")
 
 
 def _field_error(key: str, value: Any, valid: str) -> ValueError:

@@ -143,6 +143,8 @@ class RunRecorder:
             "val": val or {},
             "test": test,
         }
+        if "privacy" in self.extra:  # differential privacy: the epsilon spent up to this round
+            entry["privacy"] = {k: self.extra["privacy"][k] for k in ("epsilon", "delta", "mode")}
         self._round_start = now
         self.rounds.append(entry)
         with (self.path / "metrics.jsonl").open("a") as fh:

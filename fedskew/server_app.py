@@ -8,6 +8,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import RunConfig
 from fedskew.models.build import build_model, server_etf
+from fedskew.privacy import private_strategy
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
@@ -54,7 +55,8 @@ def main(grid: Grid, context: Context) -> None:
                 model.load_state_dict(resumed_state)
             strategy = build_strategy(cfg, len(node_ids), etf=etf)
             strategy.attach(recorder, round_offset=done)
-            strategy.start(
+            num_examples = sum(int(s["train-size"]) for s in survey.values())
+            private_strategy(cfg, strategy, len(node_ids), num_examples, recorder).start(
                 grid=grid,
                 initial_arrays=ArrayRecord(model.state_dict()),
                 num_rounds=cfg.num_server_rounds - done,
