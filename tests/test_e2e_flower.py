@@ -27,7 +27,7 @@ def test_fedavg_runs_two_rounds_on_three_sites_and_writes_results(superlink, tmp
     assert outcome.completed, outcome.output[-4000:]
     run = _only_run_dir(tmp_path)
     for name in ("config.json", "partition.json", "partition.png", "cooccurrence.png", "metrics.jsonl",
-                 "summary.json", "curves.png", "model.safetensors"):
+                 "summary.json", "curves.png", "model.safetensors", "report.html"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]

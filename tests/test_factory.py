@@ -377,6 +377,8 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     received = summary["bytes"]["received_per_site"]
     assert len(received) == 2 and min(received.values()) > 4 * 250_000
     assert (factory_run / "samples" / "all-classes.png").is_file() and (factory_run / "model.safetensors").is_file()
+    report = (factory_run / "report.html").read_text()  # written at the end of the run, from these files
+    assert "Synthetic samples" in report and all(m["module-id"] in report for m in manifest["modules"])
 
 
 def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run):

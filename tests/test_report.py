@@ -80,6 +80,15 @@ def test_a_run_report_is_one_self_contained_page_with_every_section(tmp_path):
     assert "12345" not in page  # the averaged ETF checksum is bookkeeping, not a curve
 
 
+def test_a_run_that_failed_before_its_first_round_still_gets_a_page_with_the_reason(tmp_path):
+    # The ServerApp writes the report on its failure path too; a run dir with only config and summary must do.
+    recorder = RunRecorder.create(RunConfig(), multilabel=True, base=tmp_path)
+    recorder.write_summary("failed", reason="ValueError: site data folder missing")
+    page = write_report(recorder.path).read_text()
+    assert 'class="status-failed"' in page and "site data folder missing" in page
+    assert "No rounds recorded" in page and "No partition recorded" in page and "fednca.tau" in page
+
+
 def test_a_factory_report_shows_sample_grids_and_memorisation_scores(tmp_path):
     run = fake_run(tmp_path, method="factory", multilabel=False).path
     page = write_report(run).read_text()
