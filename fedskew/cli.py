@@ -138,11 +138,61 @@ def register_report(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_report)
 
 
+def run_sign_app(args: argparse.Namespace) -> int:
+    from fedskew.app_signing import publish_app
+
+    published = publish_app(args.app_dir, args.index, args.key, args.key_id)
+    print(f"signed {published.fab} with key {args.key_id}; run it with: flwr run {published.spec} <connection>")
+    return 0
+
+
+def register_sign_app(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sign-app",
+        help="build the app bundle (FAB) of APP_DIR, sign it with the federation's key and file it in the app index",
+        description="Build the FAB of APP_DIR as `flwr run` would, sign its SHA-256 with an Ed25519 OpenSSH private "
+        "key (docker/app-key.sh) and write INDEX/<publisher>/<name>/<version>.fab plus its signatures. SuperNodes "
+        "started with --trusted-entities run it once `fedskew serve-apps` serves INDEX to the SuperLink.",
+    )
+    parser.add_argument("app_dir", type=Path, nargs="?", default=Path("."), metavar="APP_DIR", help="default: .")
+    parser.add_argument("--key", type=Path, required=True, help="Ed25519 OpenSSH private key (docker/app-key.sh)")
+    parser.add_argument("--key-id", default="fedskew-federation", help="the key's id in the sites' trusted-entities.yaml")
+    parser.add_argument("--index", type=Path, required=True, help="app index folder")
+    parser.set_defaults(run=run_sign_app)
+
+
+def run_serve_apps(args: argparse.Namespace) -> int:
+    from fedskew.app_signing import AppIndex
+
+    index = AppIndex(args.index, args.host, args.port)
+    print(f"serving {Path(args.index).resolve()} at {index.url}; start the SuperLink with "
+          f"FLWR_SUPERGRID_API_URL={index.url}", flush=True)  # fmt: skip
+    try:
+        index.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def register_serve_apps(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve-apps",
+        help="serve the app index to the SuperLink (the Flower Hub's fetch-fab protocol)",
+        description="Serve the signed FABs of INDEX over HTTP the way the Flower Hub serves apps, so that a "
+        "SuperLink started with FLWR_SUPERGRID_API_URL=http://HOST:PORT runs `flwr run @publisher/name==x.y.z` "
+        "with the signatures attached. Serve it to the SuperLink only (loopback or a private network).",
+    )
+    parser.add_argument("--index", type=Path, required=True, help="app index folder (fedskew sign-app --index)")
+    parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1")
+    parser.add_argument("--port", type=int, default=8090, help="default: 8090")
+    parser.set_defaults(run=run_serve_apps)
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    register_prepare_sites, register_unlearn, register_report,
-)
+    register_prepare_sites, register_unlearn, register_report, register_sign_app, register_serve_apps,
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """A real deployment's processes on one host: a SuperLink with TLS, SuperNode authentication and a
-state database, and SuperNodes that each read their own site folder. Used by tests and for trying
-a deployment locally before taking it to the sites (docs/deployment.md has the same steps by hand).
+state database, the fleet proxy that is the sites' only way in (docker/fleet-proxy.conf.template), the
+index of apps the federation signed (fedskew/app_signing.py), and SuperNodes that each read their own
+site folder and run only signed apps. Used by tests and for trying a deployment locally before taking
+it to the sites (docs/deployment.md has the same steps by hand).
 
 Every process runs in its own session (process group) with offline settings, logs to a file and is
 stopped by its process group: a SuperNode in subprocess isolation starts a `flower-superexec` that
@@ -18,6 +20,7 @@ import os
 import re
 import signal
 import ssl
+import string
 import subprocess
 import time
 from collections.abc import Mapping
@@ -30,6 +33,7 @@ import httpx
 from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, free_port, run_config_toml
 
 LOOPBACK = "127.0.0.1"
+PROXY_TEMPLATE = APP_DIR / "docker" / "fleet-proxy.conf.template"
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,37 @@ def offline_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict
     return {**os.environ, **OFFLINE_ENV, **(extra or {}), "FLWR_HOME": str(flwr_home)}
 
 
+def connection_toml(name: str, address: str, ca_cert: Path | None) -> str:
+    """A flwr CLI config.toml with one default connection; Flower wants the CA certificate's absolute path."""
+    security = f'root-certificates = "{Path(ca_cert).resolve()}"' if ca_cert else "insecure = true"
+    return f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\n{security}\n'
+
+
+def wait_healthy(process: FlowerProcess, address: str, ca_cert: Path | None, timeout: float) -> None:
+    """Until GET /health at `address` succeeds (https checked against `ca_cert` when given)."""
+    scheme = "https" if ca_cert else "http"
+    verify = ssl.create_default_context(cafile=str(ca_cert)) if ca_cert else True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.running:
+            raise RuntimeError(f"{process.name} exited; its log:\n{process.log_text()[-3000:]}")
+        try:
+            if httpx.get(f"{scheme}://{address}/health", verify=verify, timeout=1).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{process.name} not healthy after {timeout} s; see {process.log_path}")
+
+
 class SuperLink:
     """`flower-superlink` on a free loopback port: TLS when `tls` is given (else --insecure),
     SuperNode authentication when `supernode_auth`, state in `home/state.db`, ServerApps in
     subprocesses, and a flwr CLI connection named `connection` in `home/config.toml`. `env` adds
-    environment variables (e.g. OMP_NUM_THREADS) to the SuperLink and the ServerApps it starts."""
+    environment variables (e.g. OMP_NUM_THREADS) to the SuperLink and the ServerApps it starts.
+    With `fleet_proxy` the SuperNodes connect through a FleetProxy (the Control API stays on this
+    loopback port); `app_index` is the URL of the signed-app index it fetches `@publisher/name==x.y.z`
+    apps from; `submit` runs `app` (an app folder or such an app spec)."""
 
     def __init__(
         self,
@@ -117,17 +147,27 @@ class SuperLink:
         supernode_auth: bool = True,
         connection: str = "fedskew",
         env: Mapping[str, str] | None = None,
+        fleet_proxy: bool = False,
+        app_index: str | None = None,
+        app: str | Path = APP_DIR,
     ):
         if supernode_auth and tls is None:
             raise ValueError("SuperNode authentication needs TLS: give the TLS files from docker/certs.sh")
         self.home, self.tls, self.supernode_auth, self.connection = Path(home), tls, supernode_auth, connection
         self.port = free_port()
-        self.env = offline_env(self.home, env)
+        self.env = offline_env(self.home, {**(env or {}), **({"FLWR_SUPERGRID_API_URL": app_index} if app_index else {})})
+        self.app = app
         self.process: FlowerProcess | None = None
+        self.proxy = FleetProxy(self, self.home / "fleet-proxy") if fleet_proxy else None
 
     @property
     def address(self) -> str:
         return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def fleet_address(self) -> str:
+        """Where SuperNodes connect: the fleet proxy when there is one."""
+        return self.proxy.address if self.proxy else self.address
 
     def command(self) -> list[str]:
         security = (
@@ -141,33 +181,19 @@ class SuperLink:
             "--disable-runtime-dependency-installation", "--host", LOOPBACK, "--port", str(self.port),
         ]  # fmt: skip
 
-    def connection_toml(self) -> str:
-        security = f'root-certificates = "{self.tls.ca_cert}"' if self.tls else "insecure = true"
-        return f'[superlink]\ndefault = "{self.connection}"\n\n[superlink.{self.connection}]\naddress = "{self.address}"\n{security}\n'
-
     def start(self, timeout: float = 60) -> SuperLink:
         self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "config.toml").write_text(self.connection_toml())
-        self.process = FlowerProcess("superlink", self.command(), self.env, self.home / "superlink.log").start()
-        self._wait_healthy(timeout)
+        ca_cert = self.tls.ca_cert if self.tls else None
+        (self.home / "config.toml").write_text(connection_toml(self.connection, self.address, ca_cert))
+        self.process = FlowerProcess("flower-superlink", self.command(), self.env, self.home / "superlink.log").start()
+        wait_healthy(self.process, self.address, ca_cert, timeout)
+        if self.proxy:
+            self.proxy.start(timeout)
         return self
 
-    def _wait_healthy(self, timeout: float) -> None:
-        scheme = "https" if self.tls else "http"
-        verify = ssl.create_default_context(cafile=str(self.tls.ca_cert)) if self.tls else True
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.process.running:
-                raise RuntimeError(f"flower-superlink exited; its log:\n{self.process.log_text()[-3000:]}")
-            try:
-                if httpx.get(f"{scheme}://{self.address}/health", verify=verify, timeout=1).is_success:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"flower-superlink not healthy after {timeout} s; see {self.process.log_path}")
-
     def stop(self) -> None:
+        if self.proxy:
+            self.proxy.stop()
         if self.process:
             self.process.stop()
 
@@ -191,13 +217,13 @@ class SuperLink:
         listing = self.flwr("ls", self.connection, "--format", "json")
         return json.loads(listing.stdout).get("runs", []) if listing.returncode == 0 else []
 
-    def submit(self, run_config: dict[str, Any], app_dir: Path = APP_DIR) -> int:
-        """`flwr run` the app with these run-config overrides; returns the run id without waiting."""
+    def submit(self, run_config: dict[str, Any], app: str | Path | None = None) -> int:
+        """`flwr run` the app (default: `self.app`) with these run-config overrides; returns the run id
+        without waiting."""
+        app = self.app if app is None else app
         config_file = self.home / f"run-config-{time.monotonic_ns()}.toml"
         config_file.write_text(run_config_toml(run_config))
-        result = self.flwr(
-            "run", str(app_dir), self.connection, "--run-config", str(config_file), "--format", "json", cwd=app_dir
-        )
+        result = self.flwr("run", str(app), self.connection, "--run-config", str(config_file), "--format", "json")
         try:
             return int(json.loads(result.stdout)["run-id"])
         except (ValueError, KeyError) as err:
@@ -213,6 +239,43 @@ class SuperLink:
             time.sleep(1)
         log = self.flwr("log", str(run_id), self.connection, "--show")
         return RunOutcome(run_id, run["status"] if run else "not-found", log.stdout + log.stderr, run or {})
+
+
+class FleetProxy:
+    """nginx on a free loopback port in front of `link` (docker/fleet-proxy.conf.template): TLS with the
+    SuperLink's certificate, the Fleet API and /health passed on, everything else refused with 403."""
+
+    def __init__(self, link: SuperLink, home: str | Path):
+        if link.tls is None:
+            raise ValueError("the fleet proxy serves TLS: give the SuperLink the TLS files from docker/certs.sh")
+        self.link, self.home = link, Path(home)
+        self.port = free_port()
+        self.process: FlowerProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def config(self) -> str:
+        tls = self.link.tls
+        return string.Template(PROXY_TEMPLATE.read_text()).substitute(
+            RUN_DIR=self.home, LISTEN=self.address, SERVER_CERT=tls.server_cert.resolve(),
+            SERVER_KEY=tls.server_key.resolve(), CA_CERT=tls.ca_cert.resolve(), UPSTREAM=self.link.address,
+            UPSTREAM_NAME="localhost",  # nginx checks DNS names only; docker/certs.sh puts localhost in the SANs
+        )  # fmt: skip
+
+    def start(self, timeout: float = 30) -> FleetProxy:
+        self.home.mkdir(parents=True, exist_ok=True)
+        conf = self.home / "nginx.conf"
+        conf.write_text(self.config())
+        argv = ["nginx", "-p", str(self.home), "-e", "stderr", "-c", str(conf)]
+        self.process = FlowerProcess("nginx", argv, os.environ, self.home / "nginx.log").start()
+        wait_healthy(self.process, self.address, self.link.tls.ca_cert, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
 
 
 def node_config_arg(node_config: Mapping[str, Any]) -> str:
@@ -231,7 +294,8 @@ def node_config_arg(node_config: Mapping[str, Any]) -> str:
 
 class SuperNode:
     """`flower-supernode` connected to `link`, with its own FLWR_HOME and Runtime API port; it
-    authenticates with `private_key` when given; ClientApps run in subprocesses and inherit `env`."""
+    authenticates with `private_key` when given; ClientApps run in subprocesses and inherit `env`; with
+    `trusted_entities` (a YAML file: key id -> Ed25519 public key) it runs only apps signed by those keys."""
 
     def __init__(
         self,
@@ -241,9 +305,11 @@ class SuperNode:
         private_key: str | Path | None = None,
         max_retries: int | None = None,
         env: Mapping[str, str] | None = None,
+        trusted_entities: str | Path | None = None,
     ):
         self.link, self.home, self.node_config = link, Path(home), dict(node_config)
         self.private_key, self.max_retries, self.extra_env = private_key, max_retries, dict(env or {})
+        self.trusted_entities = trusted_entities
         self.port = free_port()
         self.process: FlowerProcess | None = None
 
@@ -251,8 +317,9 @@ class SuperNode:
         link = self.link
         security = ["--root-certificates", str(link.tls.ca_cert)] if link.tls else ["--insecure"]
         return [
-            "flower-supernode", "--superlink", link.address, *security,
+            "flower-supernode", "--superlink", link.fleet_address, *security,
             *(["--auth-supernode-private-key", str(self.private_key)] if self.private_key else []),
+            *(["--trusted-entities", str(self.trusted_entities)] if self.trusted_entities else []),
             *(["--max-retries", str(self.max_retries)] if self.max_retries is not None else []),
             "--node-config", node_config_arg(self.node_config),
             "--isolation", "subprocess", "--host", LOOPBACK, "--port", str(self.port),

@@ -44,13 +44,17 @@ def wait_for_sites(grid: Grid, minimum: int, timeout: float, poll: float = 1.0) 
 def survey_sites(grid: Grid, node_ids: list[int], timeout: float) -> dict[int, dict]:
     """Ask every site for its label statistics (counts only: no data leaves a site)."""
     messages = [Message(RecordDict({"config": ConfigRecord()}), message_type=SURVEY, dst_node_id=n) for n in node_ids]
-    survey = {}
+    survey, failures = {}, []
     for reply in grid.send_and_receive(messages, timeout=timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
             print(f"site {node} failed the survey: {reply.error.reason}", flush=True)
+            failures.append(f"site {node}: {reply.error.reason}")
             continue
         survey[node] = dict(reply.content["survey"])
+    if not survey:
+        # E.g. every site refused the app ("The FAB could not be verified."): the run's status names why.
+        raise RuntimeError(f"no site answered the survey ({'; '.join(failures) or 'no replies'})")
     return survey
 
 

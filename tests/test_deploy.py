@@ -1,8 +1,10 @@
 """A real deployment on loopback: one SuperLink with TLS, SuperNode authentication and a state
 database (shared by the tests of this module), SuperNodes that read site folders written by
 `fedskew prepare-sites`, and `flwr run` through a TLS connection in the SuperLink's own FLWR_HOME.
-Certificates and keys come from docker/certs.sh and docker/keys.sh. Every process is stopped by
-its process group at the end of the test that started it. Also: the docker-compose files validate
+The SuperNodes reach the SuperLink only through the fleet proxy (nginx, Fleet API only) and run only
+apps signed by the federation's key, which the SuperLink fetches from the federation's app index.
+Certificates and keys come from docker/certs.sh, docker/keys.sh and docker/app-key.sh. Every process
+is stopped by its process group at the end of the test that started it. Also: the docker-compose files validate
 and only use flags the installed Flower accepts."""
 
 import json
@@ -14,13 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import flwr
+import httpx
 import pytest
 import yaml
 from cryptography import x509
 from flwr.common.config import parse_config_args
 
+from fedskew.app_signing import AppIndex, publish_app
 from fedskew.cli import main as cli_main
-from fedskew.deploy import SuperLink, SuperNode, TlsFiles, node_config_arg
+from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connection_toml, node_config_arg, offline_env
+from fedskew.launch import APP_DIR, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -37,7 +42,8 @@ TINY_FACTORY = {"method": "factory", "mosaic-grid": 0, "partition": "classes-per
                 "factory.classifier-epochs": 2}  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
-    not (shutil.which("openssl") and shutil.which("ssh-keygen")), reason="needs openssl and ssh-keygen"
+    not (shutil.which("openssl") and shutil.which("ssh-keygen") and shutil.which("nginx")),
+    reason="needs openssl, ssh-keygen and nginx",
 )
 
 
@@ -47,7 +53,18 @@ def pki(tmp_path_factory):
     subprocess.run([str(DOCKER / "certs.sh"), str(root / "certs")], check=True, capture_output=True)
     keys = ["site-0", "site-1", "site-2", "site-3", "intruder"]
     subprocess.run([str(DOCKER / "keys.sh"), str(root / "keys"), *keys], check=True, capture_output=True)
+    for signer in ("app-key", "forger-key"):  # the federation's app-signing key, and somebody else's
+        subprocess.run([str(DOCKER / "app-key.sh"), str(root / signer)], check=True, capture_output=True)
     return root
+
+
+@pytest.fixture(scope="module")
+def app_index(tmp_path_factory, pki):
+    """The federation's app index holding this app signed with the federation's key; served on loopback."""
+    folder = tmp_path_factory.mktemp("app-index")
+    published = publish_app(APP_DIR, folder, pki / "app-key" / "app-signing", "fedskew-federation")
+    with AppIndex(folder, "127.0.0.1", free_port()) as index:
+        yield index, published
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +82,11 @@ def factory_sites(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def link(tmp_path_factory, pki):
-    with SuperLink(tmp_path_factory.mktemp("superlink"), TlsFiles.in_folder(pki / "certs"), env=THREADS) as link:
+def link(tmp_path_factory, pki, app_index):
+    index, signed_app = app_index
+    tls = TlsFiles.in_folder(pki / "certs")
+    home = tmp_path_factory.mktemp("superlink")
+    with SuperLink(home, tls, env=THREADS, fleet_proxy=True, app_index=index.url, app=signed_app.spec) as link:
         for k in range(4):  # not the intruder
             link.register(pki / "keys" / f"site-{k}.pub")
         yield link
@@ -76,7 +96,7 @@ def link(tmp_path_factory, pki):
 def running_sites(link, pki, home, data_dirs):
     nodes = [
         SuperNode(link, home / f"node-{k}", {"data-dir": str(d), "site-id": k, "num-sites": len(data_dirs)},
-                  pki / "keys" / f"site-{k}", env=THREADS)
+                  pki / "keys" / f"site-{k}", env=THREADS, trusted_entities=pki / "app-key" / "trusted-entities.yaml")
         for k, d in enumerate(data_dirs)
     ]  # fmt: skip
     try:
@@ -102,6 +122,32 @@ def test_certs_sh_writes_a_server_certificate_for_every_name_the_clients_use(pki
     assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
     again = subprocess.run([str(DOCKER / "certs.sh"), str(pki / "certs")], capture_output=True, text=True)
     assert again.returncode != 0 and "already holds a CA" in again.stderr
+
+
+def test_from_a_sites_position_the_control_api_refuses_registration_runs_and_listings(link, pki, tmp_path):
+    """A site holds the CA certificate and reaches the fleet proxy only: Flower's Control API (the same
+    port as the Fleet API in 1.42, no user authentication) is not there for it."""
+    (tmp_path / "config.toml").write_text(connection_toml("site", link.fleet_address, pki / "certs" / "ca.crt"))
+    env = offline_env(tmp_path)
+    runs_before = link.runs()
+    attempts = {
+        "register": ["supernode", "register", str(pki / "keys" / "intruder.pub"), "site"],
+        "run": ["run", str(APP_DIR), "site"],
+        "ls": ["ls", "site"],
+    }
+    for what, args in attempts.items():
+        result = subprocess.run(["flwr", *args], env=env, capture_output=True, text=True, timeout=120)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and "403 Forbidden" in output, f"flwr {what} through the fleet proxy: {output}"
+    # The operator, on the SuperLink's own port, sees no new run and no intruder key.
+    assert link.runs() == runs_before
+    listing = link.flwr("supernode", "list", link.connection, "--format", "json")
+    assert listing.returncode == 0, listing.stdout + listing.stderr
+    intruder_key = (pki / "keys" / "intruder.pub").read_text().split()[1]
+    assert intruder_key not in listing.stdout
+    # Nor the Runtime API, through which ServerApps pull their work.
+    refused = httpx.post(f"https://{link.fleet_address}/v1/runtime/get-nodes", verify=str(pki / "certs" / "ca.crt"))
+    assert refused.status_code == 403
 
 
 def test_an_unregistered_supernode_is_refused(link, pki, sites, tmp_path):
@@ -193,6 +239,39 @@ def test_a_tiny_factory_run_over_tls_uploads_every_sites_generators(link, pki, f
     assert outcome.listing["network-traffic"]["total-bytes"] > sum(
         (run / "library" / f"{m['module-id']}.safetensors").stat().st_size for m in manifest["modules"]
     )
+
+
+def test_every_site_refuses_an_unsigned_app_and_one_signed_by_another_key(link, pki, app_index, sites, tmp_path):
+    """The SuperNodes trust the federation's key only: `flwr run .` (no signature) and another build signed
+    by a different key under the federation's key id are answered "The FAB could not be verified." by every
+    site before any ClientApp starts, and the run's status says so."""
+    index, signed = app_index
+    forged_dir = tmp_path / "forged-app"
+    shutil.copytree(APP_DIR / "fedskew", forged_dir / "fedskew", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("README.md", "LICENSE"):
+        shutil.copy(APP_DIR / name, forged_dir / name)
+    pyproject = (APP_DIR / "pyproject.toml").read_text()
+    (forged_dir / "pyproject.toml").write_text(pyproject.replace(f'version = "{signed.version}"', 'version = "9.9.9"', 1))
+    forged = publish_app(forged_dir, index.index_dir, pki / "forger-key" / "app-signing", "fedskew-federation")
+    assert forged.spec == "@fedskew/fedskew==9.9.9"
+    refused = {"unsigned": APP_DIR, "forged": forged.spec}
+    with running_sites(link, pki, tmp_path, [sites / f"site-{k}" for k in range(3)]) as nodes:
+        for what, app in refused.items():
+            run_id = link.submit({**TINY, "method": "fednca", "min-available-sites": 3, "round-timeout": 60.0,
+                                  "results-dir": str(tmp_path / what), "test-data": str(sites / "server-test")},
+                                 app=app)  # fmt: skip
+            outcome = link.wait(run_id, timeout=240)
+            assert outcome.status == "finished:failed", (what, outcome.status, outcome.output[-3000:])
+            details = outcome.listing["status-details"]
+            for node in nodes:
+                assert f"site {node.node_id}: The FAB could not be verified." in details, (what, details)
+    for node in nodes:
+        log = node.process.log_text()
+        # Unsigned: the run carries no signature at all; forged: the signature does not verify.
+        assert "App verification is not supported by the connected SuperLink" in log
+        assert "FAB verification failed" in log
+        # The refusal comes before the node stores the message and creates a task for a ClientApp.
+        assert "Received successfully" not in log, log[-3000:]
 
 
 def _round_done(results: Path, server_round: int) -> bool:
