@@ -51,7 +51,7 @@ def main(grid: Grid, context: Context) -> None:
             done, resumed_state = resume_point(cfg, recorder)
             if resumed_state is not None:
                 model.load_state_dict(resumed_state)
-            strategy = build_strategy(cfg, len(node_ids), etf=etf)
+            strategy = build_strategy(cfg, len(node_ids), model, etf=etf)
             strategy.attach(recorder, round_offset=done)
             strategy.start(
                 grid=grid,
