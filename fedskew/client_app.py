@@ -11,6 +11,8 @@ from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_si
 from fedskew.config import RunConfig
 from fedskew.factory.site import MemorizationRefusal
 from fedskew.privacy import privacy_mod
+from fedskew.site_state import SiteState
+from fedskew.strategies.drift import SCAFFOLD_CONTROL_KEY
 from fedskew.strategies.factory import site_expert, site_upload
 from fedskew.strategies.fednca import ETF_KEY
 from fedskew.training import pick_device
@@ -23,6 +25,13 @@ def received_etf_array(msg: Message) -> np.ndarray | None:
     if ETF_KEY not in msg.content.array_records:
         return None
     return msg.content[ETF_KEY].to_torch_state_dict()[ETF_KEY].numpy()
+
+
+def received_control(msg: Message) -> dict | None:
+    """SCAFFOLD's server control variate, sent as its own ArrayRecord with every training instruction."""
+    if SCAFFOLD_CONTROL_KEY not in msg.content.array_records:
+        return None
+    return msg.content[SCAFFOLD_CONTROL_KEY].to_torch_state_dict()
 
 
 @app.query("site_survey")
@@ -43,6 +52,8 @@ def train(msg: Message, context: Context) -> Message:
         server_round=int(config["server-round"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)),
         etf=received_etf_array(msg),
+        site_state=SiteState(context),
+        server_control=received_control(msg),
     )
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
 

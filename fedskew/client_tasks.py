@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedskew.config import RunConfig
+from fedskew.config import PLAIN_SGD_METHODS, RunConfig
+from fedskew.drift import (
+    SCAFFOLD_DELTA_PREFIX,
+    feddyn_correction,
+    feddyn_site_update,
+    scaffold_correction,
+    scaffold_site_update,
+    zeros_like_parameters,
+)
 from fedskew.data.partition import label_cooccurrence, label_counts
 from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
 from fedskew.data.sites import SiteData, load_partition, simulated_site
@@ -74,7 +84,8 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
     """(optimizer, scheduler, loss_fn) for the method. FedNCA-ML's warm-up/decay schedule spans
     the whole run, so each round continues it where the previous round stopped."""
     if cfg.method != "fednca":
-        return sgd(model, cfg.lr, cfg.momentum, cfg.weight_decay), None, classification_loss
+        momentum = 0.0 if cfg.method in PLAIN_SGD_METHODS else cfg.momentum
+        return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, classification_loss
     nca = cfg.fednca
     optimizer, scheduler = fednca_optimizer(
         model,
@@ -97,6 +108,58 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
     return optimizer, scheduler, loss_fn
 
 
+class TensorStore(Protocol):
+    """Where a site keeps tensors between rounds (fedskew.site_state.SiteState in the ClientApp)."""
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None: ...
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+SCAFFOLD_SITE_STATE = "scaffold-site-control"
+FEDDYN_SITE_STATE = "feddyn-site-gradient"
+
+
+def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def drift_correction(
+    cfg: RunConfig, model: nn.Module, site_state: TensorStore | None, server_control: dict | None, steps: int
+) -> tuple[Callable[[], None] | None, Callable[[], dict[str, torch.Tensor]]]:
+    """(gradient hook, finish, restored) for SCAFFOLD and FedDyn, with `model` on its training device and
+    at the global weights. finish() stores the site's new state and returns what the reply carries
+    besides the model; restored says whether an earlier round's state was found. Other methods:
+    (None, a finish that returns nothing, False)."""
+    if cfg.method not in PLAIN_SGD_METHODS:
+        return None, dict, False
+    if site_state is None:
+        raise ValueError(f"method {cfg.method} keeps state at the site between rounds; no state store was given")
+    global_params = _parameters(model)
+    if cfg.method == "scaffold":
+        if server_control is None:
+            raise ValueError("method scaffold: the server's message carries no control variate")
+        saved = site_state.get(SCAFFOLD_SITE_STATE)
+        site_control = saved or zeros_like_parameters(model)
+        hook = scaffold_correction(model, site_control, server_control)
+
+        def finish() -> dict[str, torch.Tensor]:
+            new, delta = scaffold_site_update(site_control, server_control, global_params, _parameters(model), steps, cfg.lr)
+            site_state.put(SCAFFOLD_SITE_STATE, new)
+            return {SCAFFOLD_DELTA_PREFIX + name: value for name, value in delta.items()}
+
+        return hook, finish, saved is not None
+    saved = site_state.get(FEDDYN_SITE_STATE)
+    site_gradient = saved or zeros_like_parameters(model)
+    hook = feddyn_correction(model, site_gradient, cfg.feddyn_alpha)
+
+    def finish() -> dict[str, torch.Tensor]:
+        site_state.put(FEDDYN_SITE_STATE, feddyn_site_update(site_gradient, global_params, _parameters(model), cfg.feddyn_alpha))
+        return {}
+
+    return hook, finish, saved is not None
+
+
 def train_site(
     cfg: RunConfig,
     site: SiteData,
@@ -105,16 +168,20 @@ def train_site(
     server_round: int,
     proximal_mu: float = 0.0,
     etf: np.ndarray | None = None,
+    site_state: TensorStore | None = None,
+    server_control: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """One round of local training from the global weights; returns new weights and metrics."""
+    """One round of local training from the global weights; returns new weights and metrics.
+    SCAFFOLD and FedDyn read and update their site state in `site_state`; SCAFFOLD also needs the
+    server's control variate, and its reply carries delta_c next to the weights."""
     device = pick_device(cfg.device)
-    model = _site_model(cfg, site, state, etf)
+    model = _site_model(cfg, site, state, etf).to(device)
     loader = make_loader(
         site.train_images, site.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + 1000 * server_round + site.site_id
     )
-    optimizer, scheduler, loss_fn = local_optimisation(
-        cfg, model, cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size), server_round
-    )
+    steps = cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size)
+    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round)
+    before_step, finish, restored = drift_correction(cfg, model, site_state, server_control, steps)
     stats = train_local(
         model,
         loader,
@@ -124,17 +191,22 @@ def train_site(
         loss_fn=loss_fn,
         device=device,
         proximal_mu=proximal_mu,
+        before_step=before_step,
     )
+    extra = finish()
     metrics = {
         "train_loss": stats["train_loss"],
         "train_seconds": stats["train_seconds"],
         "num-examples": stats["num_examples"],
         "unit-weight": 1,
     }
+    if cfg.method in PLAIN_SGD_METHODS:
+        # Averaged by the server: the share of sites that found their state from the previous round.
+        metrics["site-state-restored"] = float(restored)
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.
         metrics["etf-crc32"] = etf_fingerprint(etf)
-    return {k: v.cpu() for k, v in model.state_dict().items()}, metrics
+    return {**{k: v.cpu() for k, v in model.state_dict().items()}, **extra}, metrics
 
 
 # Metrics defined on any non-empty split (AUC is not: a small site split can lack a label), so

@@ -19,6 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 GENERATED_DATASETS = ("deformed-digits", "shapes", "shapes-multi")  # drawn by fedskew.data.synthetic
 MULTILABEL_SOURCES = ("medmnist:chestmnist", "shapes-multi")
 MULTILABEL_METHODS: tuple[str, ...] = ("fednca",)
+# Methods that run federated rounds through a strategy (fedskew.strategies.build_strategy).
+FEDERATED_METHODS: tuple[str, ...] = (
+    "fednca", "fedavg", "fedprox", "scaffold", "feddyn", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"
+)
+# SCAFFOLD's control-variate estimate and FedDyn's penalty assume plain local SGD (no momentum).
+PLAIN_SGD_METHODS: tuple[str, ...] = ("scaffold", "feddyn")
 SINGLE_LABEL_METHODS: tuple[str, ...] = ("factory", "factory-p2p")
 
 
@@ -147,10 +153,15 @@ class DPSection(_Section):
 
 
 class RunConfig(_Section):
-    method: Literal["fednca", "fedavg", "fedprox", "centralized", "factory", "factory-p2p"] = Field(
+    method: Literal[
+        "fednca", "fedavg", "fedprox", "scaffold", "feddyn", "fedadam", "fedyogi", "fedadagrad", "fedmedian",
+        "fedtrimmedavg", "centralized", "factory", "factory-p2p",
+    ] = Field(
         "fednca",
-        description="Training method: FedNCA-ML, FedAvg, FedProx, the centralised pooled-data upper bound, or "
-        "FederatedFactory (one-shot generators; `factory-p2p`: site experts as a Product of Experts).",
+        description="Training method: FedNCA-ML, FedAvg, FedProx, SCAFFOLD, FedDyn (both with plain local SGD, as "
+        "in their papers), Flower's FedAdam/FedYogi/FedAdagrad/FedMedian/FedTrimmedAvg, the centralised "
+        "pooled-data upper bound, or FederatedFactory (one-shot generators; `factory-p2p`: site experts as a "
+        "Product of Experts).",
     )
     dataset: str = Field(
         "digits",
@@ -190,9 +201,17 @@ class RunConfig(_Section):
     local_epochs: int = Field(3, ge=1, le=1000, description="Local epochs per round at each site.")
     batch_size: int = Field(32, ge=1, le=65536, description="Local mini-batch size.")
     lr: float = Field(0.05, gt=0, le=10, description="Local SGD learning rate (FedAvg, FedProx, centralised).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum (scaffold and feddyn train without).")
     weight_decay: float = Field(5e-4, ge=0, le=1, description="Local SGD weight decay.")
     proximal_mu: float = Field(0.1, ge=0, le=100, description="FedProx proximal term weight mu.")
+    feddyn_alpha: float = Field(0.01, gt=0, le=100, description="FedDyn regulariser weight alpha (its paper: 0.01-0.1).")
+    server_lr: float = Field(
+        0.01, gt=0, le=10, description="Server learning rate eta of fedadam, fedyogi and fedadagrad (Reddi et al. "
+        "found 10^-2 to 10^-1.5 best for Adam/Yogi on CIFAR-10)."
+    )
+    trim_fraction: float = Field(
+        0.2, gt=0, lt=0.5, description="fedtrimmedavg: share of the highest and of the lowest values cut per weight."
+    )
     model: Literal["small-cnn", "resnet18"] = Field(
         "small-cnn", description="Backbone: a small CNN for CPU runs or ResNet-18 with a small-image stem."
     )

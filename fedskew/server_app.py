@@ -53,7 +53,7 @@ def main(grid: Grid, context: Context) -> None:
             done, resumed_state = resume_point(cfg, recorder, model.state_dict())
             if resumed_state is not None:
                 model.load_state_dict(resumed_state)
-            strategy = build_strategy(cfg, len(node_ids), etf=etf)
+            strategy = build_strategy(cfg, len(node_ids), model, etf=etf)
             strategy.attach(recorder, round_offset=done)
             num_examples = sum(int(s["train-size"]) for s in survey.values())
             private_strategy(cfg, strategy, len(node_ids), num_examples, recorder).start(

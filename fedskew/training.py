@@ -59,8 +59,10 @@ def train_local(
     loss_fn: LossFn = classification_loss,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     proximal_mu: float = 0.0,
+    before_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Train in place; returns mean loss, examples seen per epoch and wall time."""
+    """Train in place; returns mean loss, examples seen per epoch and wall time. `before_step` runs
+    between backward() and optimizer.step() (SCAFFOLD's and FedDyn's gradient corrections)."""
     model.to(device).train()
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     total_loss, total_seen = 0.0, 0
@@ -75,6 +77,8 @@ def train_local(
                 raise FloatingPointError(f"training loss became {loss.item()}; lower `lr` or check the data")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if before_step is not None:
+                before_step()
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()

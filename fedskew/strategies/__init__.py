@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from flwr.serverapp.strategy import FedAvg, FedProx
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedMedian, FedProx, FedTrimmedAvg, FedYogi
 
 import torch
+from torch import nn
 
-from fedskew.config import RunConfig
+from fedskew.config import FEDERATED_METHODS, RunConfig
+from fedskew.strategies.drift import FedDyn, Scaffold
 from fedskew.strategies.fednca import FedNCA
 from fedskew.strategies.recording import RecordingMixin
 
@@ -19,13 +21,37 @@ class RecordedFedProx(RecordingMixin, FedProx):
     pass
 
 
+class RecordedFedAdam(RecordingMixin, FedAdam):
+    pass
+
+
+class RecordedFedYogi(RecordingMixin, FedYogi):
+    pass
+
+
+class RecordedFedAdagrad(RecordingMixin, FedAdagrad):
+    pass
+
+
+class RecordedFedMedian(RecordingMixin, FedMedian):
+    pass
+
+
+class RecordedFedTrimmedAvg(RecordingMixin, FedTrimmedAvg):
+    pass
+
+
+SERVER_OPTIMISERS = {"fedadam": RecordedFedAdam, "fedyogi": RecordedFedYogi, "fedadagrad": RecordedFedAdagrad}
+
+
 def weight_key(cfg: RunConfig) -> str:
     # Clients report both keys; "unit-weight" (always 1) turns the average unweighted.
     return "num-examples" if cfg.aggregation == "weighted" else "unit-weight"
 
 
-def build_strategy(cfg: RunConfig, num_sites: int, etf: torch.Tensor | None = None) -> FedAvg:
-    """The strategy for `cfg.method`; every site trains and validates each round."""
+def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.Tensor | None = None) -> FedAvg:
+    """The strategy for `cfg.method`; every site trains and validates each round. `model` gives
+    SCAFFOLD and FedDyn the shapes of the parameters their server state covers."""
     common = dict(
         fraction_train=1.0,
         # Sites validate the global model on their local split; with no split there is nothing to do.
@@ -41,4 +67,16 @@ def build_strategy(cfg: RunConfig, num_sites: int, etf: torch.Tensor | None = No
         return RecordedFedProx(proximal_mu=cfg.proximal_mu, **common)
     if cfg.method == "fednca":
         return FedNCA(etf, **common)
-    raise ValueError(f"method {cfg.method!r} has no federated strategy; valid: fedavg, fedprox, fednca")
+    if cfg.method in SERVER_OPTIMISERS:
+        # Reddi et al.'s adaptive server optimisers; Flower's momentum and tau defaults are theirs.
+        return SERVER_OPTIMISERS[cfg.method](eta=cfg.server_lr, eta_l=cfg.lr, **common)
+    if cfg.method == "fedmedian":
+        return RecordedFedMedian(**common)
+    if cfg.method == "fedtrimmedavg":
+        return RecordedFedTrimmedAvg(beta=cfg.trim_fraction, **common)
+    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    if cfg.method == "scaffold":
+        return Scaffold(shapes, num_sites, **common)
+    if cfg.method == "feddyn":
+        return FedDyn(shapes, num_sites, cfg.feddyn_alpha, **common)
+    raise ValueError(f"method {cfg.method!r} has no federated strategy; valid: {', '.join(FEDERATED_METHODS)}")

@@ -1,0 +1,82 @@
+"""SCAFFOLD and FedDyn as Message-API strategies: FedAvg's rounds plus the server half of each
+method's drift correction (the maths is in fedskew.drift). Sites keep their half between rounds
+(fedskew.site_state)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedskew.drift import SCAFFOLD_DELTA_PREFIX, feddyn_server_update, scaffold_server_update
+from fedskew.strategies.recording import RecordingMixin
+
+SCAFFOLD_CONTROL_KEY = "scaffold-control"
+
+
+def _answered(replies: list[Message]) -> int:
+    return sum(not msg.has_error() for msg in replies)
+
+
+class Scaffold(RecordingMixin, FedAvg):
+    """Sends the server control variate c with every training instruction (its own ArrayRecord);
+    sites answer with their new model and delta_c in one ArrayRecord (delta keys prefixed)."""
+
+    def __init__(self, parameter_shapes: dict[str, torch.Size], num_sites: int, **fedavg_kwargs):
+        super().__init__(**fedavg_kwargs)
+        self.control = {name: torch.zeros(shape) for name, shape in parameter_shapes.items()}
+        self.num_sites = num_sites
+
+    def extend_messages(self, messages: Iterable[Message]) -> list[Message]:
+        control = ArrayRecord(self.control)
+        return [
+            Message(
+                RecordDict({**dict(msg.content.items()), SCAFFOLD_CONTROL_KEY: control}),
+                message_type=msg.metadata.message_type,
+                dst_node_id=msg.metadata.dst_node_id,
+            )
+            if msg.metadata.message_type == MessageType.TRAIN
+            else msg
+            for msg in messages
+        ]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        averaged = arrays.to_torch_state_dict()
+        mean_delta = {k.removeprefix(SCAFFOLD_DELTA_PREFIX): v for k, v in averaged.items() if k.startswith(SCAFFOLD_DELTA_PREFIX)}
+        self.control = scaffold_server_update(self.control, mean_delta, _answered(replies) / self.num_sites)
+        model = {k: v for k, v in averaged.items() if not k.startswith(SCAFFOLD_DELTA_PREFIX)}
+        return ArrayRecord(model), metrics
+
+
+class FedDyn(RecordingMixin, FedAvg):
+    """Keeps the server state h; the new global model is the sites' average corrected by -h / alpha."""
+
+    def __init__(self, parameter_shapes: dict[str, torch.Size], num_sites: int, alpha: float, **fedavg_kwargs):
+        super().__init__(**fedavg_kwargs)
+        self.h = {name: torch.zeros(shape) for name, shape in parameter_shapes.items()}
+        self.num_sites = num_sites
+        self.alpha = alpha
+        self.sent: dict[str, torch.Tensor] = {}
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        state = arrays.to_torch_state_dict()
+        self.sent = {name: state[name] for name in self.h}
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        averaged = arrays.to_torch_state_dict()
+        self.h, corrected = feddyn_server_update(
+            self.h, self.sent, {name: averaged[name] for name in self.h}, self.alpha, _answered(replies) / self.num_sites
+        )
+        return ArrayRecord({**averaged, **corrected}), metrics
