@@ -22,6 +22,9 @@ multi-label dataset), so that every site and the server agree on it.
 from __future__ import annotations
 
 import csv
+import io
+import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePosixPath
@@ -48,6 +51,7 @@ DATA_DIR_KEY = "data-dir"
 IMAGES_DIR, LABELS_FILE, CLASSES_FILE, SITE_NPZ = "images", "labels.csv", "classes.txt", "site.npz"
 LABELS_HEADER = ["file", "labels"]
 LABEL_SEPARATOR = "|"
+CLASS_ID = re.compile(r"[0-9]{1,9}\Z")
 LAYOUTS = (
     f"'{IMAGES_DIR}/' + '{LABELS_FILE}' (header 'file,labels'; labels one class id or several joined by "
     f"'{LABEL_SEPARATOR}'; optional '{CLASSES_FILE}'), '{SITE_NPZ}' (MedMNIST layout), or the official "
@@ -133,35 +137,48 @@ def _read_png_layout(folder: Path, multilabel: bool, image_size: int) -> tuple[n
 
 def _read_labels_csv(path: Path, multilabel: bool) -> list[tuple[int, str, list[int]]]:
     """(line number, file name, class ids) per data row; line 1 is the header."""
-    # utf-8-sig: spreadsheet exports often start with a byte-order mark.
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        reader = csv.reader(handle)
+    reader = csv.reader(io.StringIO(_utf8_text(path), newline=""))
+    try:
         header = next(reader, None)
         if header is None or [h.strip() for h in header] != LABELS_HEADER:
-            raise SiteFolderError(f"{path} line 1 is {header!r}; expected the header 'file,labels'")
+            raise SiteFolderError(f"{path} line 1 is {str(header)[:200]}; expected the header 'file,labels'")
         rows, seen = [], {}
         for row in reader:
             line = reader.line_num  # the file's line, also when a quoted field spans lines
             if not row or all(not cell.strip() for cell in row):
                 continue
             if len(row) != 2:
-                raise SiteFolderError(f"{path} line {line} has {len(row)} fields {row!r}; expected 2: file,labels")
+                raise SiteFolderError(f"{path} line {line} has {len(row)} fields {str(row)[:200]}; expected 2: file,labels")
             name, ids = row[0].strip(), _parse_class_ids(row[1], path, line, multilabel)
             _check_relative_name(name, path, line)
             if name in seen:
                 raise SiteFolderError(f"{path} line {line}: {name!r} is already labelled on line {seen[name]}; one row per image")
             seen[name] = line
             rows.append((line, name, ids))
+    except csv.Error as err:  # e.g. a field over csv's 131072-character limit
+        raise SiteFolderError(f"{path} line {reader.line_num}: {err}; valid: rows 'file,labels' of short fields") from None
     if not rows:
         raise SiteFolderError(f"{path} has a header but no rows; the site needs at least one labelled image")
     return rows
 
 
+def _utf8_text(path: Path) -> str:
+    """A text file of the site folder; a byte that is not UTF-8 is reported with its line."""
+    data = path.read_bytes()
+    try:
+        # utf-8-sig: spreadsheet exports often start with a byte-order mark.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise SiteFolderError(f"{path} line {line} is not UTF-8 ({err.reason} at byte {err.start}); save the file as UTF-8") from None
+
+
 def _parse_class_ids(field: str, path: Path, line: int, multilabel: bool) -> list[int]:
     parts = [part.strip() for part in field.split(LABEL_SEPARATOR)] if field.strip() else []
-    if not all(part.isdigit() for part in parts):
+    # ASCII digits only: str.isdigit also accepts '²' (int() refuses it) and other scripts' digits.
+    if not all(CLASS_ID.match(part) for part in parts):
         raise SiteFolderError(
-            f"{path} line {line}: labels {field!r} are not class ids; valid: whole numbers >= 0"
+            f"{path} line {line}: labels {field[:100]!r} are not class ids; valid: whole numbers >= 0 written with 0-9"
             + (f" joined by '{LABEL_SEPARATOR}' (empty = no label)" if multilabel else "")
         )
     ids = [int(part) for part in parts]
@@ -184,7 +201,7 @@ def _check_relative_name(name: str, path: Path, line: int) -> None:
 
 
 def _read_class_names(path: Path) -> tuple[str, ...]:
-    names = tuple(line.strip() for line in path.read_text().splitlines())
+    names = tuple(line.strip() for line in _utf8_text(path).splitlines())
     while names and not names[-1]:
         names = names[:-1]
     if not names or not all(names):
@@ -194,15 +211,16 @@ def _read_class_names(path: Path) -> tuple[str, ...]:
 
 def _stack_images(files: list[tuple[int, Path]], image_size: int, labels_path: Path) -> np.ndarray:
     images = [_read_image(path, line, labels_path) for line, path in files]
-    if image_size > 0:
-        return np.concatenate([resize_images(image[None], image_size) for image in images])
     first_line, first = files[0][0], images[0]
     for (line, path), image in zip(files, images):
-        if image.shape != first.shape:
+        # image-size resizes height and width only: the colour mode must match either way.
+        if image.shape[0] != first.shape[0] or (image_size == 0 and image.shape != first.shape):
             raise SiteFolderError(
                 f"{path} (line {line} of {labels_path}) has shape {image.shape} (C, H, W) but the image on line "
                 f"{first_line} has {first.shape}; give images of one size and colour mode, or set image-size to resize"
             )
+    if image_size > 0:
+        return np.concatenate([resize_images(image[None], image_size) for image in images])
     return np.stack(images)
 
 
@@ -211,7 +229,11 @@ def _read_image(path: Path, line: int, labels_path: Path) -> np.ndarray:
     if not path.is_file():
         raise SiteFolderError(f"{labels_path} line {line} names {path.name!r}, but {path} does not exist")
     try:
-        with Image.open(path) as img:
+        # PIL only warns between 1x and 2x its pixel limit: refuse those too, before any pixel is decoded.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(path)
+        with img:
             img.load()
             if img.mode in ("I;16", "I;16B", "I;16L", "I"):
                 pixels = np.asarray(img, dtype=np.float32)[None] / 65535.0
@@ -219,6 +241,11 @@ def _read_image(path: Path, line: int, labels_path: Path) -> np.ndarray:
                 pixels = np.asarray(img.convert("L"), dtype=np.float32)[None] / 255.0
             else:
                 pixels = np.asarray(img.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise SiteFolderError(
+            f"{path} (line {line} of {labels_path}) is too large to read safely ({err}); valid: at most "
+            f"{Image.MAX_IMAGE_PIXELS} pixels, resize it"
+        ) from None
     except (UnidentifiedImageError, OSError) as err:
         raise SiteFolderError(f"{path} (line {line} of {labels_path}) is not a readable image: {err}") from err
     return np.clip(pixels, 0.0, 1.0)

@@ -320,8 +320,10 @@ def _npz_class_names(arrays: dict[str, np.ndarray], source: str, num_classes: in
 
 def _images_to_nchw(images: np.ndarray, source: str, key: str) -> np.ndarray:
     """(N, H, W) or (N, H, W, C) uint8 / [0, 1] float images as float32 (N, C, H, W)."""
-    if images.ndim not in (3, 4):
-        raise DataSourceError(f"{source}: '{key}' has shape {images.shape}; expected (N, H, W) or (N, H, W, C)")
+    if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[3] not in (1, 3)):
+        raise DataSourceError(
+            f"{source}: '{key}' has shape {images.shape}; expected (N, H, W) or (N, H, W, C) with C = 1 (grey) or 3 (RGB)"
+        )
     if images.dtype == np.uint8:
         scaled = images.astype(np.float32) / 255.0
     elif np.issubdtype(images.dtype, np.floating):

@@ -234,6 +234,17 @@ def validate_modules(
     return [_checked_module(m, states[m["module-id"]], num_classes, image_shape, planned) for m in metas]
 
 
+def check_uploader(meta: dict, site_id: int) -> None:
+    """The upload must be of the site its node is (`site_id`, from that node's own survey reply)."""
+    if not isinstance(meta, dict):
+        raise UploadRejected(f"upload metadata must be a JSON object, got {type(meta).__name__}")
+    if not _same_json(meta.get("site-id"), site_id):
+        raise UploadRejected(
+            f"the upload claims site-id {_shown(meta.get('site-id'))}, but its node answered the survey as site "
+            f"{site_id}; a node may upload only its own site's generators"
+        )
+
+
 def validate_upload(
     meta: dict,
     states: dict[str, dict[str, torch.Tensor]],
@@ -247,13 +258,7 @@ def validate_upload(
     the server derived for it: `site_id` is the one its node gave in its own survey reply, `plan` the
     modules its label counts and the run config make. The site supplies only weights, checksums and its
     memorisation audit; every other declared fact must equal the plan."""
-    if not isinstance(meta, dict):
-        raise UploadRejected(f"upload metadata must be a JSON object, got {type(meta).__name__}")
-    if not _same_json(meta.get("site-id"), site_id):
-        raise UploadRejected(
-            f"the upload claims site-id {_shown(meta.get('site-id'))}, but its node answered the survey as site "
-            f"{site_id}; a node may upload only its own site's generators"
-        )
+    check_uploader(meta, site_id)
     if not _same_json(meta.get("image-shape"), list(image_shape)):
         raise UploadRejected(f"the site's images are {_shown(meta.get('image-shape'))} (C, H, W); the run's are {list(image_shape)}")
     metas = meta.get("modules")

@@ -40,6 +40,7 @@ from fedskew.factory.library import (
     MAX_IMAGE_COUNT,
     Library,
     UploadRejected,
+    check_uploader,
     class_balanced_set,
     library_from_manifest,
     save_class_grids,
@@ -153,20 +154,30 @@ def encode_modules(manifest: dict, modules: list[GeneratorModule]) -> RecordDict
     return content
 
 
-def decode_modules(
-    content: RecordDict, max_bytes: int, expected_ids: list[str] | None = None
-) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """(manifest, module id -> weights), each generator at most `max_bytes` packed and, given
-    `expected_ids`, exactly those modules (checked before any is decoded); UploadRejected otherwise."""
+def _generator_ids(content: RecordDict) -> list[str]:
+    return [key.removeprefix(GENERATOR_PREFIX) for key in content.array_records if key.startswith(GENERATOR_PREFIX)]
+
+
+def decode_manifest(content: RecordDict) -> dict:
+    """The module metadata of a message (at most MANIFEST_CHARS_PER_MODULE per generator it carries)."""
     if MANIFEST_KEY not in content.config_records or "json" not in content[MANIFEST_KEY]:
         raise UploadRejected(f"the message has no '{MANIFEST_KEY}' record with the module metadata")
-    module_ids = [key.removeprefix(GENERATOR_PREFIX) for key in content.array_records if key.startswith(GENERATOR_PREFIX)]
+    return parse_manifest(content[MANIFEST_KEY]["json"], MANIFEST_CHARS_PER_MODULE * (len(_generator_ids(content)) + 1))
+
+
+def decode_states(content: RecordDict, max_bytes: int, expected_ids: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Module id -> weights, each generator at most `max_bytes` packed and, given `expected_ids`, exactly
+    those modules (checked before any is decoded); UploadRejected otherwise."""
+    module_ids = _generator_ids(content)
     if expected_ids is not None and sorted(module_ids) != sorted(expected_ids):
         shown = sorted(module_ids)[:10]
         raise UploadRejected(f"weights came for modules {shown}{' ...' if len(module_ids) > 10 else ''}; expected {sorted(expected_ids)}")
-    manifest = parse_manifest(content[MANIFEST_KEY]["json"], MANIFEST_CHARS_PER_MODULE * (len(module_ids) + 1))
-    states = {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m[:80]!r}", max_bytes) for m in module_ids}
-    return manifest, states
+    return {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m[:80]!r}", max_bytes) for m in module_ids}
+
+
+def decode_modules(content: RecordDict, max_bytes: int) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(manifest, module id -> weights) of a message `encode_modules` made; UploadRejected otherwise."""
+    return decode_manifest(content), decode_states(content, max_bytes)
 
 
 def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordDict:
@@ -302,7 +313,9 @@ class FactoryFlow(RecordingMixin):
 
         def check(identity: SiteIdentity, reply: Message) -> list[GeneratorModule]:
             plan = planned_modules(cfg, identity.site_id, list(identity.label_counts), image_shape)
-            manifest, states = decode_modules(reply.content, max_bytes, [p.module_id for p in plan])
+            manifest = decode_manifest(reply.content)
+            check_uploader(manifest, identity.site_id)  # an impostor is named as one before its weights are read
+            states = decode_states(reply.content, max_bytes, [p.module_id for p in plan])
             return validate_upload(
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
                 max_memorization=cfg.factory.max_memorization,

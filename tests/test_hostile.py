@@ -1,0 +1,447 @@
+"""One bad or hostile site never costs the federation its run: every crafted upload, expert, relayed
+library, checkpoint, unlearn input and site data file below is refused with a message naming the input,
+where it came from and what is valid, and the server keeps every honest site's generators."""
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from PIL import Image
+from safetensors.torch import save_file
+
+from fedskew.cli import main as cli_main
+from fedskew.config import RunConfig
+from fedskew.data.site_folder import SiteFolderError, read_labelled_folder
+from fedskew.factory import unlearn as unlearn_module
+from fedskew.factory.classifier import build_classifier
+from fedskew.factory.library import GeneratorModule, Library, UploadRejected, library_from_manifest
+from fedskew.factory.site import planned_module, planned_modules
+from fedskew.models.edm2 import build_generator
+from fedskew.models.generator_io import state_dict_checksum
+from fedskew.results import RunRecorder
+from fedskew.server_tasks import TaskShape
+from fedskew.strategies.factory import FactoryFlow, decode_modules, encode_modules, generator_payload_limit, packed_weights
+
+CFG = RunConfig.from_run_config(
+    {"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.classifier": "small-cnn",
+     "factory.max-memorization": 0.5}
+)  # fmt: skip
+TASK = TaskShape(10, (1, 8, 8), tuple(str(k) for k in range(10)), False, "digits")
+# node -> (site id, training label counts): node 11 is site 0 (class 0), node 12 site 1 (class 1).
+SITES = {11: (0, [20] + [0] * 9), 12: (1, [0, 30] + [0] * 8)}
+
+
+def survey_of(sites: dict) -> dict:
+    return {node: {"site-id": site, "label-counts": counts} for node, (site, counts) in sites.items()}
+
+
+@pytest.fixture(scope="module")
+def honest():
+    """site id -> (manifest, modules) of an honest upload (untrained weights: only their form matters)."""
+    uploads = {}
+    for site, counts in SITES.values():
+        modules = []
+        for planned in planned_modules(CFG, site, counts, TASK.image_shape):
+            state = build_generator(planned.config).state_dict()
+            modules.append(
+                GeneratorModule(planned.module_id, site, planned.classes, planned.image_counts, planned.config,
+                                state_dict_checksum(state), 0.1, state)
+            )  # fmt: skip
+        uploads[site] = ({"site-id": site, "image-shape": list(TASK.image_shape), "modules": [m.metadata() for m in modules]}, modules)
+    return uploads
+
+
+@pytest.fixture(autouse=True)
+def inside_a_run(monkeypatch):
+    """Messages are made inside a run (as in a ServerApp)."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+class ScriptedGrid:
+    """A Grid whose sites answer with `answer(node, message)`."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(self.answer(m.metadata.dst_node_id, m), reply_to=m) for m in messages]
+
+
+def flow(tmp_path, answer) -> FactoryFlow:
+    recorder = RunRecorder(path=tmp_path, multilabel=False, method="factory")
+    return FactoryFlow(ScriptedGrid(answer), recorder, timeout=10)
+
+
+def collect(tmp_path, honest, hostile_content, sites=SITES):
+    """The server's round 1 with site 0 honest and node 12 answering `hostile_content(honest)`."""
+
+    def answer(node, _):
+        return hostile_content(honest) if node == 12 else encode_modules(*honest[0])
+
+    return flow(tmp_path, answer).collect_library(survey_of(sites), TASK, CFG)
+
+
+def with_module(changes):
+    """Site 1's upload with its module metadata changed."""
+
+    def forge(honest):
+        manifest, modules = json.loads(json.dumps(honest[1][0])), honest[1][1]
+        changes(manifest["modules"][0])
+        return encode_modules(manifest, modules)
+
+    return forge
+
+
+def with_weights(dtype):
+    def forge(honest):
+        manifest, (module,) = honest[1]
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in module.state.items()}
+        return encode_modules(manifest, [dataclasses.replace(module, state=state)])
+
+    return forge
+
+
+def with_manifest_text(text):
+    def forge(honest):
+        content = encode_modules(*honest[1])
+        content["manifest"] = ConfigRecord({"json": text})
+        return content
+
+    return forge
+
+
+def with_config(field, value):
+    return with_module(lambda m: m["config"].__setitem__(field, value))
+
+
+def renamed(module_id):
+    def forge(honest):
+        manifest, (module,) = honest[1]
+        forged = dataclasses.replace(module, module_id=module_id)
+        return encode_modules({**manifest, "modules": [forged.metadata()]}, [forged])
+
+    return forge
+
+
+def oversized(honest):
+    content = encode_modules(*honest[1])
+    content["generator.site1-class1"] = ArrayRecord({"safetensors": Array(np.zeros(64 << 20, dtype=np.uint8))})
+    return content
+
+
+def impostor(honest):
+    """Node 12 (site 1) sends site 0's generator under site 0's ids."""
+    return encode_modules(*honest[0])
+
+
+def many_arrays(honest):
+    content = encode_modules(*honest[1])
+    for k in range(1000):
+        content[f"generator.site1-x{k}"] = ArrayRecord({"safetensors": Array(np.zeros(8, dtype=np.uint8))})
+    return content
+
+
+HOSTILE_UPLOADS = {
+    "bf16 weights": (with_weights(torch.bfloat16), "dtype bfloat16, expected float32"),
+    "float8 weights": (with_weights(torch.float8_e4m3fn), "dtype float8_e4m3fn, expected float32"),
+    "module id int": (with_module(lambda m: m.__setitem__("module-id", 7)), r"declares modules \[7\]"),
+    "module id null": (with_module(lambda m: m.__setitem__("module-id", None)), r"declares modules \[None\]"),
+    "module id newline": (renamed("site1-class1\n"), r"weights came for modules \['site1-class1\\n'\]"),
+    "seed 2**64": (with_config("seed", 2**64), "declared config .* differs from the server's"),
+    "model_channels 2**40": (with_config("model_channels", 2**40), "declared config .* differs"),
+    "num_blocks 10**6": (with_config("num_blocks", 10**6), "declared config .* differs"),
+    "float field as text": (with_config("dropout", "0.0"), "declared config .* differs"),
+    "image-counts 10**400": (with_module(lambda m: m.__setitem__("image-counts", [10**400])), "declared image-counts .* differs"),
+    "image-counts 10**15": (with_module(lambda m: m.__setitem__("image-counts", [10**15])), r"declared image-counts \[1000000000000000\] differs"),
+    "nested 100000 deep": (with_manifest_text("[" * 100_000 + "]" * 100_000), "a JSON string of at most 32768 characters, got 200000"),
+    "nested 5000 deep": (with_manifest_text("[" * 5000 + "]" * 5000), "not valid JSON: maximum recursion depth"),
+    "nested 10 deep": (with_manifest_text('{"a": ' + "[" * 9 + "]" * 9 + "}"), "a JSON object nested at most 8 deep"),
+    "5000-digit int": (with_manifest_text('{"site-id": 1' + "0" * 5000 + "}"), "not valid JSON"),
+    "memorisation as text": (with_module(lambda m: m.__setitem__("memorization", "0.1")), "memorization must be a share"),
+    "64 MiB payload": (oversized, r"take 67\d{6} bytes; this run's model takes at most \d+"),
+    "impostor": (impostor, "claims site-id 0, but its node answered the survey as site 1"),
+    "a class it does not hold": (renamed("site1-class5"), r"weights came for modules \['site1-class5'\]; expected \['site1-class1'\]"),
+    "1000 generator arrays": (many_arrays, r"weights came for modules .* \.\.\.; expected \['site1-class1'\]"),
+    "no manifest": (lambda honest: RecordDict({}), "no 'manifest' record"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_UPLOADS)
+def test_a_hostile_upload_is_rejected_naming_site_and_reason_and_the_honest_site_is_kept(tmp_path, honest, case):
+    forge, reason = HOSTILE_UPLOADS[case]
+    library, rejected = collect(tmp_path, honest, forge)
+    assert [m.module_id for m in library.modules] == ["site0-class0"]
+    (rejection,) = rejected
+    assert rejection["node"] == "12" and rejection["site-id"] == 1
+    assert re.search(reason, rejection["reason"]), rejection["reason"]
+
+
+def test_both_honest_uploads_pass_and_their_counts_come_from_the_survey(tmp_path, honest):
+    library, rejected = collect(tmp_path, honest, lambda honest: encode_modules(*honest[1]))
+    assert rejected == [] and [(m.module_id, m.image_counts) for m in library.modules] == [("site0-class0", (20,)), ("site1-class1", (30,))]
+
+
+def test_nodes_claiming_one_site_id_are_all_refused_before_round_one(tmp_path, honest):
+    library, rejected = collect(tmp_path, honest, impostor, sites={**SITES, 12: (0, SITES[11][1])})
+    assert library.modules == () and [r["node"] for r in rejected] == ["11", "12"]
+    assert all("nodes [11, 12] all claim site-id 0" in r["reason"] for r in rejected)
+
+
+def test_a_malformed_survey_reply_refuses_that_node_only(tmp_path, honest):
+    sites = {**SITES, 13: (2.5, [1] * 10), 14: (3, [-1] * 10)}
+    library, rejected = collect(tmp_path, honest, lambda honest: encode_modules(*honest[1]), sites=sites)
+    assert [m.site_id for m in library.modules] == [0, 1]
+    assert [(r["node"], r["reason"].split(" must")[0]) for r in rejected] == [("13", "survey site-id"), ("14", "survey label-counts")]
+
+
+def test_a_server_bug_while_checking_one_upload_rejects_it_loudly_and_the_run_goes_on(tmp_path, honest, monkeypatch, capsys):
+    from fedskew.strategies import factory
+
+    real = factory.validate_upload
+
+    def buggy(manifest, states, **kwargs):
+        if kwargs["site_id"] == 1:
+            raise KeyError("a bug")
+        return real(manifest, states, **kwargs)
+
+    monkeypatch.setattr(factory, "validate_upload", buggy)
+    library, (rejection,) = collect(tmp_path, honest, lambda honest: encode_modules(*honest[1]))
+    assert [m.module_id for m in library.modules] == ["site0-class0"]
+    assert "KeyError: 'a bug'" in rejection["reason"] and "fedskew bug" in rejection["reason"]
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_the_generator_payload_limit_is_the_run_models_size():
+    planned = planned_modules(CFG, 0, [20] + [0] * 9, TASK.image_shape)[0]
+    weights = sum(t.numel() * 4 for t in build_generator(planned.config, "meta").state_dict().values())
+    assert weights < generator_payload_limit(CFG, TASK.image_shape, 10) <= weights + (1 << 20)
+
+
+# --- P2P: experts and the relayed library -----------------------------------------------------------
+
+
+def expert_reply(state=None, metrics=None):
+    state = state if state is not None else build_classifier("small-cnn", TASK.image_shape, 10).state_dict()
+    return RecordDict({"expert": packed_weights(state), "metrics": MetricRecord(metrics or {"train_loss": 0.5, "val_accuracy": 0.5})})
+
+
+@pytest.mark.parametrize(
+    ("hostile", "reason"),
+    [
+        (lambda: expert_reply({k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+                               for k, v in build_classifier("small-cnn", TASK.image_shape, 10).state_dict().items()}),
+         "dtype torch.float8_e4m3fn, the model's is torch.float32"),
+        (lambda: expert_reply(metrics={"val_accuracy": 0.5}), r"metrics \['train_loss'\] are missing or not finite"),
+        (lambda: expert_reply(metrics={"train_loss": math.inf, "val_accuracy": 0.5}), "not finite"),
+        (lambda: RecordDict({}), "no expert weights"),
+    ],
+    ids=["float8", "no train_loss", "inf train_loss", "no expert"],
+)
+def test_a_hostile_expert_is_rejected_and_the_others_are_kept(tmp_path, hostile, reason):
+    answer = lambda node, _: hostile() if node == 12 else expert_reply()  # noqa: E731
+    experts, (rejection,) = flow(tmp_path, answer).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)
+    assert [e.site_id for e in experts] == [0] and rejection["site-id"] == 1
+    assert re.search(reason, rejection["reason"]), rejection["reason"]
+
+
+def _empty_library():
+    return Library((), 10, TASK.image_shape, TASK.class_names)
+
+
+def test_an_expert_is_named_by_its_nodes_survey_not_by_the_site_id_it_reports(tmp_path):
+    answer = lambda node, _: expert_reply(metrics={"train_loss": 0.5, "val_accuracy": 0.5, "site-id": math.nan})  # noqa: E731
+    experts, rejected = flow(tmp_path, answer).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)
+    assert rejected == [] and [(e.node, e.site_id) for e in experts] == [(11, 0), (12, 1)]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda m: m.__setitem__("num-classes", "10"), "num-classes must be an int"),
+        (lambda m: m.__setitem__("image-shape", "1x8x8"), "image-shape must be three ints"),
+        (lambda m: m.__setitem__("class-names", 10), "class-names must be 10 strings"),
+        (lambda m: m["modules"][0].__setitem__("classes", "1"), "classes must be a non-empty list of ints"),
+        (lambda m: m["modules"][0]["config"].__setitem__("num_blocks", 3), r"config fields \['num_blocks'\] differ"),
+        (lambda m: m["modules"][0].__setitem__("site-id", 0), "is named 'site0-class1'"),
+    ],
+    ids=["num-classes text", "image-shape text", "class-names int", "classes text", "another config", "id of another site"],
+)
+def test_a_relayed_library_with_wrong_fields_is_refused_by_the_site(honest, change, reason):
+    manifest, modules = honest[1]
+    relayed = {"num-classes": 10, "image-shape": [1, 8, 8], "class-names": list(TASK.class_names), "modules": manifest["modules"]}
+    relayed = json.loads(json.dumps(relayed))
+    content = encode_modules(relayed, modules)
+    decoded, states = decode_modules(content, generator_payload_limit(CFG, TASK.image_shape, 10))
+    planned = lambda site, classes, counts: planned_module(CFG, site, classes, counts, TASK.image_shape, 10)  # noqa: E731
+    assert [m.module_id for m in library_from_manifest(decoded, states, planned).modules] == ["site1-class1"]
+    change(decoded)
+    with pytest.raises(UploadRejected, match=reason):
+        library_from_manifest(decoded, states, planned)
+
+
+# --- resume-from ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def earlier_run(tmp_path):
+    recorder = RunRecorder.create(RunConfig.from_run_config({"method": "fedavg", "mosaic-grid": 0, "partition": "iid"}),
+                                  multilabel=False, base=tmp_path / "earlier")  # fmt: skip
+    recorder.save_checkpoint(torch.nn.Linear(3, 2).state_dict(), server_round=1)
+    recorder.record_round(1, {"accuracy": 0.5})
+    return recorder.path
+
+
+def _resume(earlier, tmp_path):
+    recorder = RunRecorder(path=tmp_path, multilabel=False, method="fedavg")
+    return recorder.continue_from(earlier, torch.nn.Linear(3, 2).state_dict())
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda run: (run / "checkpoint.json").write_text('{"round": "abc"}'), "completed round as an int >= 1, got 'abc'"),
+        (lambda run: (run / "checkpoint.json").write_text('{"round": '), "cannot read .*checkpoint.json"),
+        (lambda run: (run / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:40]), "not a readable checkpoint"),
+        (lambda run: save_file(torch.nn.Linear(5, 2).state_dict(), str(run / "model.safetensors")),
+         r"does not fit this run's model: tensor 'weight' has shape \(2, 5\), the model's is \(2, 3\)"),
+        (lambda run: save_file({k: torch.full_like(v, math.nan) for k, v in torch.nn.Linear(3, 2).state_dict().items()},
+                                                                    str(run / "model.safetensors")), "holds non-finite values"),
+        (lambda run: (run / "metrics.jsonl").write_bytes(b"\xff\n"), "cannot read .*metrics.jsonl"),
+    ],
+    ids=["round abc", "broken marker", "truncated", "another model", "all NaN", "metrics not UTF-8"],
+)
+def test_a_damaged_checkpoint_is_refused_naming_the_file(earlier_run, tmp_path, damage, reason):
+    (tmp_path / "ok").mkdir()
+    assert _resume(earlier_run, tmp_path / "ok")[0] == 1
+    damage(earlier_run)
+    (tmp_path / "new").mkdir()
+    with pytest.raises(ValueError, match=reason):
+        _resume(earlier_run, tmp_path / "new")
+
+
+# --- unlearn ----------------------------------------------------------------------------------------------
+
+
+def test_unlearn_refuses_an_output_inside_the_source_run_or_an_existing_one(tmp_path):
+    run = tmp_path / "run"
+    (run / "library").mkdir(parents=True)
+    with pytest.raises(ValueError, match="lies inside the source run"):
+        unlearn_module.output_folder(run, run / "library" / "x", "site0")
+    with pytest.raises(ValueError, match="lies inside the source run"):
+        unlearn_module.output_folder(run, run, "site0")
+    with pytest.raises(ValueError, match="already exists"):
+        unlearn_module.output_folder(run, tmp_path, "site0")
+    assert unlearn_module.output_folder(run, None, "site0") == tmp_path / "run-forget-site0"
+
+
+@pytest.mark.parametrize(
+    ("entry", "reason"),
+    [
+        ({"site-id": 0, "file": "../../../x.safetensors"}, "must be the file 'site-0.safetensors'"),
+        ({"site-id": "0", "file": "site-0.safetensors"}, "needs a distinct int site-id"),
+        ({"site-id": 0, "file": "site-0.safetensors"}, "cannot read .*site-0.safetensors"),
+    ],
+    ids=["path traversal", "site-id text", "missing file"],
+)
+def test_unlearn_opens_only_the_expert_files_the_run_wrote(tmp_path, entry, reason):
+    (tmp_path / "experts").mkdir()
+    (tmp_path / "experts" / "manifest.json").write_text(json.dumps({"classifier": "small-cnn", "experts": [entry]}))
+    with pytest.raises(ValueError, match=reason):
+        unlearn_module._load_experts(tmp_path, CFG, 10, TASK.image_shape)
+
+
+def test_a_failed_unlearn_leaves_no_folder_behind_and_the_rerun_is_not_blocked(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(CFG.to_run_config()))
+
+    def fail_half_way(run_dir, cfg, target, site, class_id):
+        (target / "library").mkdir()
+        raise ValueError("the library is damaged")
+
+    monkeypatch.setattr(unlearn_module, "_write_unlearned", fail_half_way)
+    for _ in range(2):  # the second attempt meets the same error, not a leftover folder
+        assert cli_main(["unlearn", str(run), "--site", "0"]) == 2
+        assert "fedskew unlearn: the library is damaged" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing-run", "--site", "0"], "cannot read .*missing-run/config.json"),
+        (["run", "--site", "0", "--out", "run/inside"], "lies inside the source run"),
+    ],
+)
+def test_unlearn_cli_errors_are_one_line_not_a_traceback(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(CFG.to_run_config()))
+    assert cli_main(["unlearn", *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+
+
+# --- site data ------------------------------------------------------------------------------------------------
+
+
+def png_folder(tmp_path, rows, images=None, labels_bytes=None):
+    (tmp_path / "images").mkdir()
+    for name, mode in (images or {"a.png": "L", "b.png": "L"}).items():
+        Image.new(mode, (8, 8)).save(tmp_path / "images" / name)
+    (tmp_path / "labels.csv").write_bytes(labels_bytes or ("file,labels\n" + "".join(f"{f},{l}\n" for f, l in rows)).encode())
+    (tmp_path / "classes.txt").write_text("\n".join(str(k) for k in range(10)) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("rows", "reason"),
+    [
+        ([("a.png", "²"), ("b.png", "1")], r"labels.csv line 2: labels '²' are not class ids; valid: whole numbers >= 0 written with 0-9"),
+        ([("a.png", "٣"), ("b.png", "1")], r"line 2: labels '٣' are not class ids"),
+        ([("a.png", "1"), ("b.png", "9" * 5000)], r"line 3: labels '9999.*' are not class ids"),
+        ([("a.png", "1"), ("b.png", "1" + " " * 200_000)], r"labels.csv line 3: field larger than field limit"),
+    ],
+    ids=["superscript two", "arabic-indic digit", "5000 digits", "200000-char field"],
+)
+def test_a_bad_label_is_refused_naming_file_and_line(tmp_path, rows, reason):
+    with pytest.raises(SiteFolderError, match=reason):
+        read_labelled_folder(png_folder(tmp_path, rows), multilabel=False)
+
+
+def test_a_labels_csv_that_is_not_utf8_names_its_line(tmp_path):
+    folder = png_folder(tmp_path, [], labels_bytes=b"file,labels\na.png,1\nb\xe9.png,1\n")
+    with pytest.raises(SiteFolderError, match=r"labels.csv line 3 is not UTF-8"):
+        read_labelled_folder(folder, multilabel=False)
+
+
+def test_mixed_grey_and_colour_images_are_refused_also_when_resized(tmp_path):
+    folder = png_folder(tmp_path, [("a.png", "1"), ("b.png", "2")], images={"a.png": "L", "b.png": "RGB"})
+    for size in (0, 16):
+        with pytest.raises(SiteFolderError, match=r"b.png \(line 3 of .*labels.csv\) has shape \(3, 8, 8\) .* line 2 has \(1, 8, 8\)"):
+            read_labelled_folder(folder, multilabel=False, image_size=size)
+
+
+def test_a_decompression_bomb_is_refused_before_it_is_decoded(tmp_path, monkeypatch):
+    # PIL's own guard scaled down: a 64 x 64 image stands in for a 20000 x 20000 one.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    folder = png_folder(tmp_path, [("a.png", "1"), ("b.png", "1")], images={"a.png": "L", "b.png": "L"})
+    for side in (40, 64):  # PIL warns above its limit and fails above twice it: both are refused
+        Image.new("L", (side, side)).save(folder / "images" / "b.png")
+        with pytest.raises(SiteFolderError, match=rf"b.png \(line 3 of .*\) is too large .*{side * side} pixels.*at most 1000 pixels"):
+            read_labelled_folder(folder, multilabel=False)
+
+
+def test_an_npz_with_five_channels_is_refused(tmp_path):
+    np.savez(tmp_path / "site.npz", train_images=np.zeros((4, 8, 8, 5), np.uint8), train_labels=np.zeros((4, 1), np.int64),
+             class_names=np.array([str(k) for k in range(10)]))  # fmt: skip
+    with pytest.raises(SiteFolderError, match=r"site.npz: .*'train_images' has shape \(4, 8, 8, 5\); .*C = 1 \(grey\) or 3 \(RGB\)"):
+        read_labelled_folder(tmp_path, multilabel=False)
