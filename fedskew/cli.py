@@ -23,7 +23,7 @@ from fedskew.data.sources import DataSourceError
 
 # The run-config keys that decide which images and labels each site holds.
 PARTITION_KEYS = (
-    "dataset", "data-root", "allow-download", "image-size", "mosaic-grid", "partition", "alpha",
+    "dataset", "data-root", "allow-download", "image-size", "mosaic-grid", "labels", "partition", "alpha",
     "classes-per-site", "missing-classes", "min-site-size", "seed",
 )  # fmt: skip
 
@@ -188,10 +188,40 @@ def register_serve_apps(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_serve_apps)
 
 
+# --- predict ------------------------------------------------------------------------------------------
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    # Imported here: it pulls in torch and the model constructors, which prepare-sites does not need.
+    from fedskew.predict import predict
+
+    report = predict(args.model, args.input, args.out, device=args.device)
+    print(f"wrote {report['rows']} prediction(s) to {Path(args.out).resolve()} with {report['model']}")
+    for key, value in report.get("metrics", {}).items():
+        print(f"  {key}: {value:.6f}")
+    return 0
+
+
+def register_predict(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "predict",
+        help="apply a trained model (a run directory or model file) to images and write predictions.csv",
+        description="Write one CSV row per image: its file name (or index), the predicted labels and every class "
+        "probability. MODEL is a model file (model.safetensors, model-selected.safetensors, model-poe.safetensors) "
+        "or a run directory (its best-validation model). With labelled input the metrics are printed too.",
+    )
+    parser.add_argument("model", type=Path, metavar="MODEL_OR_RUN_DIR")
+    parser.add_argument("--input", type=Path, required=True,
+                        help="a site folder (labels.csv or site.npz), a folder of PNG/JPEG images, or an npz (its test split)")
+    parser.add_argument("--out", type=Path, default=Path("predictions.csv"), help="CSV to write (default: predictions.csv)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.set_defaults(run=run_predict)
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    register_prepare_sites, register_unlearn, register_report, register_sign_app, register_serve_apps,
+    register_prepare_sites, register_unlearn, register_predict, register_report, register_sign_app, register_serve_apps,
 )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
@@ -37,7 +37,8 @@ def received_control(msg: Message) -> dict | None:
 @app.query("site_survey")
 def survey(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
-    return Message(RecordDict({"survey": MetricRecord(site_survey(cfg, load_site(cfg, context.node_config)))}), reply_to=msg)
+    # A ConfigRecord: the survey carries the class names as well as counts.
+    return Message(RecordDict({"survey": ConfigRecord(site_survey(cfg, load_site(cfg, context.node_config)))}), reply_to=msg)
 
 
 @app.train()

@@ -43,7 +43,8 @@ def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
 
 
 def site_survey(cfg: RunConfig, site: SiteData) -> dict:
-    """Label statistics only (counts, never images) for the run's partition record."""
+    """Label statistics only (counts, never images) for the run's partition record, and the site's task
+    shape (label kind, class names, image shape) for the server's agreement check."""
     all_idx = np.arange(len(site.train_labels))
     survey = {
         "site-id": site.site_id,
@@ -56,6 +57,9 @@ def site_survey(cfg: RunConfig, site: SiteData) -> dict:
         # What the server needs to build the model when it holds no test data (test-data = "federated").
         "num-classes": site.num_classes,
         "image-shape": list(site.train_images.shape[1:]),
+        # The server refuses a site whose label kind or label space differs from the run's.
+        "multilabel": int(site.multilabel),
+        "class-names": list(site.class_names),
     }
     if site.multilabel:
         survey["cooccurrence"] = label_cooccurrence(site.train_labels, all_idx).ravel().tolist()

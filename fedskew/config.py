@@ -26,6 +26,8 @@ FEDERATED_METHODS: tuple[str, ...] = (
 # SCAFFOLD's control-variate estimate and FedDyn's penalty assume plain local SGD (no momentum).
 PLAIN_SGD_METHODS: tuple[str, ...] = ("scaffold", "feddyn")
 SINGLE_LABEL_METHODS: tuple[str, ...] = ("factory", "factory-p2p")
+LABEL_KINDS: tuple[str, ...] = ("single", "multi")
+MEDMNIST_MULTILABEL_TASK = "multi-label, binary-class"  # the `task` of medmnist's INFO entry
 
 
 class ConfigError(ValueError):
@@ -189,6 +191,12 @@ class RunConfig(_Section):
         description="Build multi-label data: each image is a g x g mosaic of source images, labelled "
         "with the union of their classes (0 = off; 2-4).",
     )
+    labels: Literal["auto", "single", "multi"] = Field(
+        "auto",
+        description="Label kind: `single` (one class per image), `multi` (any set of classes per image) or `auto`: "
+        "read from the data (mosaic-grid >= 2, the MedMNIST task, multi-hot (N, K) npz labels, `|` in labels.csv); "
+        "a site whose kind differs from the run's is refused.",
+    )
     partition: Literal["iid", "dirichlet", "classes-per-site", "multilabel-skew"] = Field(
         "multilabel-skew", description="How the training data is split over sites."
     )
@@ -214,6 +222,11 @@ class RunConfig(_Section):
     )
     model: Literal["small-cnn", "resnet18"] = Field(
         "small-cnn", description="Backbone: a small CNN for CPU runs or ResNet-18 with a small-image stem."
+    )
+    pretrained: str = Field(
+        "", description="Local torchvision-format ResNet state dict (.safetensors, or a PyTorch file read with "
+        "weights_only) to start `model` from: torchvision's stem, ImageNet normalisation, grey repeated to RGB; "
+        "read by the server only, nothing is downloaded (empty = random init)."
     )
     aggregation: Literal["weighted", "unweighted"] = Field(
         "weighted", description="Average client models weighted by example count, or unweighted."
@@ -253,31 +266,37 @@ class RunConfig(_Section):
             raise _field_error("mosaic-grid", 1, "0 (off) or 2-4 (a 1 x 1 mosaic is the source image)")
         if self.mosaic_grid >= 2 and self.dataset in MULTILABEL_SOURCES:
             raise _field_error("mosaic-grid", self.mosaic_grid, f"0 for {self.dataset}, already multi-label")
-        multilabel = self.multilabel
-        if self.method in MULTILABEL_METHODS and not multilabel:
-            raise _field_error(
-                "method", self.method, "a multi-label dataset: set mosaic-grid to 2-4 or use a multi-label source"
-            )
-        if self.method in SINGLE_LABEL_METHODS and multilabel:
-            raise _field_error(
-                "method", self.method, "single-label data (mosaic-grid = 0 and a single-label dataset): "
-                "FederatedFactory's generators and classifier model one class per image"
-            )
-        if self.partition == "multilabel-skew" and not multilabel:
-            raise _field_error(
-                "partition", self.partition, "iid, dirichlet or classes-per-site for single-label data "
-                "(or set mosaic-grid to 2-4 for multi-label data)"
-            )
-        if self.partition in ("dirichlet", "classes-per-site") and multilabel:
-            raise _field_error(
-                "partition", self.partition, "iid or multilabel-skew for multi-label data (mosaic-grid > 0)"
-            )
+        if self.labels == "single" and self.mosaic_grid >= 2:
+            raise _field_error("labels", "single", "multi or auto when mosaic-grid >= 2 (a mosaic holds several classes)")
+        if self.pretrained and self.model == "small-cnn":
+            raise _field_error("model", self.model, "resnet18 when pretrained is set (pretrained weights are ResNet weights)")
+        if self.label_kind is not None:
+            problems = label_kind_conflicts(self, self.label_kind)
+            if problems:
+                raise ValueError(problems[0])
         _check_dp(self)
         return self
 
     @property
-    def multilabel(self) -> bool:
-        return self.mosaic_grid >= 2 or self.dataset in MULTILABEL_SOURCES
+    def label_kind(self) -> str | None:
+        """"multi" or "single" when the config alone decides it (labels key, mosaic-grid, a named
+        dataset); None when only the data can tell (an npz file, a deployed site's folder)."""
+        if self.labels != "auto":
+            return self.labels
+        if self.mosaic_grid >= 2:
+            return "multi"
+        kind, _, name = self.dataset.partition(":")
+        if self.dataset in MULTILABEL_SOURCES:
+            return "multi"
+        if self.dataset in ("digits", "cifar10", *GENERATED_DATASETS):
+            return "single"
+        if kind == "medmnist":
+            # Imported here: medmnist is slow to import and most runs never name it.
+            from medmnist.info import INFO
+
+            if name in INFO:
+                return "multi" if INFO[name]["task"] == MEDMNIST_MULTILABEL_TASK else "single"
+        return None
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:
@@ -302,6 +321,44 @@ def _check_dp(cfg: RunConfig) -> None:
         raise _field_error("aggregation", cfg.aggregation, f"unweighted with dp.mode = {cfg.dp.mode!r}")
     if cfg.dp.mode == "local" and cfg.dp.clipping == "adaptive":
         raise _field_error("dp.clipping", "adaptive", "fixed with dp.mode = 'local' (Flower's LocalDpMod clips at a fixed norm)")
+
+
+def label_kind_conflicts(cfg: RunConfig, kind: str) -> list[str]:
+    """What in `cfg` cannot run on `kind` ("multi" | "single") labels: checked on the config when it
+    decides the kind, else when the data is loaded (`check_label_kind`)."""
+    problems = []
+    if cfg.labels != "auto" and cfg.labels != kind:
+        problems.append(f"key 'labels' = {cfg.labels!r} is invalid; valid: {kind!r} or 'auto' ({kind}-label data)")
+    if cfg.method in MULTILABEL_METHODS and kind == "single":
+        problems.append(
+            f"key 'method' = {cfg.method!r} is invalid; valid: a multi-label dataset (set mosaic-grid to 2-4, or "
+            "use multi-label data: a multi-hot npz, '|'-joined labels.csv rows, medmnist:chestmnist)"
+        )
+    if cfg.method in SINGLE_LABEL_METHODS and kind == "multi":
+        problems.append(
+            f"key 'method' = {cfg.method!r} is invalid; valid: single-label data (mosaic-grid = 0 and a single-label "
+            "dataset): FederatedFactory's generators and classifier model one class per image"
+        )
+    if cfg.partition == "multilabel-skew" and kind == "single":
+        problems.append(
+            f"key 'partition' = {cfg.partition!r} is invalid; valid: iid, dirichlet or classes-per-site for "
+            "single-label data (or set mosaic-grid to 2-4 for multi-label data)"
+        )
+    if cfg.partition in ("dirichlet", "classes-per-site") and kind == "multi":
+        problems.append(
+            f"key 'partition' = {cfg.partition!r} is invalid; valid: iid or multilabel-skew for multi-label data"
+        )
+    return problems
+
+
+def check_label_kind(cfg: RunConfig, multilabel: bool, source: str) -> str:
+    """The label kind of data read from `source`, once the data tells it; ConfigError when the run
+    config cannot run on it (names the source, its kind and the keys to change)."""
+    kind = "multi" if multilabel else "single"
+    problems = label_kind_conflicts(cfg, kind)
+    if problems:
+        raise ConfigError(f"{source} holds {kind}-label data, which this run config cannot use: " + "; ".join(problems))
+    return kind
 
 
 def _field_error(key: str, value: Any, valid: str) -> ValueError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -23,18 +24,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from fedskew.config import ConfigError, RunConfig  # noqa: E402
 from fedskew.metrics import headline_metric  # noqa: E402
 from fedskew.models.build import weights_mismatch  # noqa: E402
+from fedskew.models.model_file import ModelCard, save_model_file, weights_only  # noqa: E402
 
-CHECKPOINT = "model.safetensors"
+CHECKPOINT = "model.safetensors"  # the final model (FederatedFactory: the server's classifier)
+SELECTED_MODEL = "model-selected.safetensors"  # the model of the best-validation round
 # Settings that shape the data, the partition, the model or the ETF: a resumed run must share them.
 RESUME_MUST_MATCH = (
     "method", "dataset", "image-size", "mosaic-grid", "partition", "alpha", "classes-per-site", "missing-classes",
     "min-site-size", "val-fraction", "model", "seed", "num-classes", "fednca.ladm", "fednca.learnable-queries",
-    "fednca.projection-dim", "fednca.heads",
+    "fednca.projection-dim", "fednca.heads", "pretrained",
 )
 
 # Metrics shown in the per-round log line and the curves, by label kind.
@@ -108,7 +111,15 @@ class RunRecorder:
     dropped: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     tensorboard: Any = None  # a SummaryWriter with log-tensorboard = true
+    # Set by a method whose model is chosen inside its own training (FederatedFactory's classifier
+    # epochs on a held-out split): its final round is the selected one, for the reason given here.
+    selected_within: str | None = None
+    # What makes the saved weights a self-contained model file (set once the task is known).
+    model_card: ModelCard | None = None
+    etf: torch.Tensor | None = None
     _round_start: float = field(default_factory=time.perf_counter)
+    _saved: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, weights) of the latest checkpoint
+    _selected_round: int | None = None
 
     @classmethod
     def create(cls, cfg: RunConfig, multilabel: bool, base: Path | None = None) -> RunRecorder:
@@ -152,6 +163,7 @@ class RunRecorder:
         if self.tensorboard is not None:
             self.log_tensorboard(entry)
         self.write_summary("running")
+        self._save_selected()
         print(self.round_line(entry), flush=True)
         return entry
 
@@ -171,14 +183,29 @@ class RunRecorder:
         parts.append(f"{entry['round_seconds']:.1f}s")
         return " | ".join(parts)
 
-    def best_round(self) -> dict[str, Any] | None:
-        key = headline_metric(self.multilabel)
-        scored = [r for r in self.rounds if r["round"] > 0 and isinstance(r["test"].get(key), float)]
-        return max(scored, key=lambda r: r["test"][key]) if scored else None
+    def selection_key(self) -> str:
+        """The validation metric that picks the best round (never a test metric)."""
+        return "val_" + headline_metric(self.multilabel)
+
+    def best_round(self) -> tuple[dict[str, Any] | None, str]:
+        """(the selected round, which split chose it). Rounds are chosen on the sites' federated validation
+        metrics (weighted by examples) only; the test metrics are just reported at that round. Without
+        validation metrics the final round is reported and `selected_by` says so."""
+        trained = [r for r in self.rounds if r["round"] > 0]
+        if not trained:
+            return None, "nothing yet: no round completed"
+        if self.selected_within:
+            return trained[-1], self.selected_within
+        key = self.selection_key()
+        scored = [r for r in trained if isinstance(r["val"].get(key), (int, float)) and math.isfinite(r["val"][key])]
+        if not scored:
+            return trained[-1], "the final round: no validation metrics were recorded (val-fraction = 0 or none reported)"
+        # max keeps the earliest of equally good rounds.
+        return max(scored, key=lambda r: r["val"][key]), f"{key}: the sites' validation splits, weighted by examples"
 
     def write_summary(self, status: str, reason: str | None = None) -> Path:
         final = self.rounds[-1] if self.rounds else None
-        best = self.best_round()
+        best, selected_by = self.best_round()
         summary = {
             "method": self.method,
             "status": status,
@@ -188,6 +215,7 @@ class RunRecorder:
             "final": final["test"] if final else None,
             "best_round": best["round"] if best else None,
             "best": best["test"] if best else None,
+            "selected_by": selected_by,
             "bytes": {
                 "sent_total": sum(self.bytes_sent.values()),
                 "received_total": sum(self.bytes_received.values()),
@@ -200,16 +228,38 @@ class RunRecorder:
         return write_json(self.path / "summary.json", summary)
 
     # --- artefacts -------------------------------------------------------------------------
-    def save_checkpoint(self, state_dict: dict[str, torch.Tensor], server_round: int | None = None) -> Path:
-        """The global model, written atomically (a crash never leaves half a file); with the round
-        it completes, also the marker `resume-from` continues after."""
-        path = self.path / CHECKPOINT
-        partial = path.with_suffix(".partial")
-        save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, str(partial))
-        partial.replace(path)
+    def save_checkpoint(
+        self, state_dict: dict[str, torch.Tensor], server_round: int | None = None, name: str = CHECKPOINT
+    ) -> Path:
+        """The global model, written atomically (a crash never leaves half a file) as a self-contained
+        model file once `model_card` is set; with the round it completes, also the marker `resume-from`
+        continues after. The best-validation round's model is kept as SELECTED_MODEL as well."""
+        path = self.path / name
+        weights = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
+        saved_round = server_round if server_round is not None else (self.rounds[-1]["round"] if self.rounds else 0)
+        self._write_model(path, weights, saved_round)
         if server_round is not None:
             write_json(self.path / "checkpoint.json", {"round": server_round, "model": CHECKPOINT})
+        self._saved = (saved_round, weights)
+        self._save_selected()
         return path
+
+    def _write_model(self, path: Path, weights: dict[str, torch.Tensor], server_round: int, selected_by: str = "") -> None:
+        if self.model_card is None:
+            partial = path.with_suffix(".partial")
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(partial))
+            partial.replace(path)
+        else:
+            save_model_file(path, weights, self.model_card.at_round(server_round, selected_by), self.etf)
+
+    def _save_selected(self) -> None:
+        """Write SELECTED_MODEL when the latest checkpoint is of the best round (checkpoints and round
+        records come in either order)."""
+        best, selected_by = self.best_round()
+        if best is None or self._saved is None or self._saved[0] != best["round"] or self._selected_round == best["round"]:
+            return
+        self._write_model(self.path / SELECTED_MODEL, self._saved[1], best["round"], selected_by)
+        self._selected_round = best["round"]
 
     def continue_from(self, previous: Path, reference: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
         """Adopt a previous run's completed rounds and return (last round, its global model), after checking
@@ -226,8 +276,8 @@ class RunRecorder:
         if not isinstance(last, int) or isinstance(last, bool) or last < 1:
             raise ValueError(f"resume-from: {marker} must hold the completed round as an int >= 1, got {last!r}")
         try:
-            state = load_file(str(previous / CHECKPOINT))
-        except (OSError, SafetensorError) as err:
+            state = weights_only(previous / CHECKPOINT)
+        except (OSError, SafetensorError, ValueError) as err:
             raise ValueError(f"resume-from: {previous / CHECKPOINT} is not a readable checkpoint ({err})") from None
         problem = weights_mismatch(state, reference)
         if problem:
@@ -241,6 +291,10 @@ class RunRecorder:
         with (self.path / "metrics.jsonl").open("w") as fh:
             fh.writelines(json.dumps(_json_safe(r)) + "\n" for r in self.rounds)
         self.extra["resumed_from"] = {"run": str(previous), "round": last}
+        if (previous / SELECTED_MODEL).is_file():
+            # The earlier run's best round stays selected until a resumed round beats it on validation.
+            shutil.copy2(previous / SELECTED_MODEL, self.path / SELECTED_MODEL)
+            self._selected_round = self.best_round()[0]["round"] if self.rounds else None
         return last, state
 
     def plot_curves(self) -> Path:

@@ -7,7 +7,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import RunConfig
-from fedskew.models.build import build_model, server_etf
+from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
+from fedskew.models.model_file import run_model_card
 from fedskew.privacy import private_strategy
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
@@ -15,6 +16,7 @@ from fedskew.server_tasks import (
     agreed_task_shape,
     load_server_test_set,
     make_evaluate_fn,
+    refuse_sites,
     resume_point,
     survey_sites,
     train_centralized,
@@ -32,31 +34,35 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     cfg = RunConfig.from_run_config(context.run_config)
     device = pick_device(cfg.device)
-    recorder = RunRecorder.create(cfg, multilabel=cfg.multilabel)
+    recorder = RunRecorder.create(cfg, multilabel=cfg.label_kind == "multi")
     print(f"fedskew: {cfg.method} on {cfg.dataset}, results in {recorder.path}", flush=True)
     try:
         test = load_server_test_set(cfg)
         node_ids = wait_for_sites(grid, cfg.min_available_sites, cfg.round_timeout)
         survey = survey_sites(grid, node_ids, cfg.round_timeout)
-        task = agreed_task_shape(cfg, survey, test)
+        task, refused = agreed_task_shape(cfg, survey, test)
+        survey = refuse_sites(recorder, survey, refused)
+        recorder.multilabel = task.multilabel  # with labels = "auto" only the data tells
+        recorder.model_card = run_model_card(cfg, task.class_names, task.multilabel, task.image_shape)
         write_partition(recorder, survey, task.class_names)
         num_sites = next(iter(survey.values()))["num-sites"]
         torch.manual_seed(cfg.seed)
         if cfg.method in ("factory", "factory-p2p"):
             run_factory(grid, cfg, survey, task, test, recorder, device)
         elif cfg.method == "centralized":
-            model = build_model(cfg, task.num_classes, task.image_shape).to(device)
+            model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape)).to(device)
             train_centralized(cfg, model, num_sites, device, recorder)
         else:
             etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
-            model = build_model(cfg, task.num_classes, task.image_shape, etf=etf).to(device)
+            recorder.etf = etf  # stored in the model files: the model is unusable without it
+            model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
             done, resumed_state = resume_point(cfg, recorder, model.state_dict())
             if resumed_state is not None:
                 model.load_state_dict(resumed_state)
-            strategy = build_strategy(cfg, len(node_ids), model, etf=etf)
-            strategy.attach(recorder, round_offset=done)
+            strategy = build_strategy(cfg, len(survey), model, etf=etf)
+            strategy.attach(recorder, round_offset=done, refused=set(refused))
             num_examples = sum(int(s["train-size"]) for s in survey.values())
-            private_strategy(cfg, strategy, len(node_ids), num_examples, recorder).start(
+            private_strategy(cfg, strategy, len(survey), num_examples, recorder).start(
                 grid=grid,
                 initial_arrays=ArrayRecord(model.state_dict()),
                 num_rounds=cfg.num_server_rounds - done,

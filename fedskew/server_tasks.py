@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedskew.config import RunConfig
+from fedskew.config import RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_training_data
@@ -56,6 +56,14 @@ def survey_sites(grid: Grid, node_ids: list[int], timeout: float) -> dict[int, d
         # E.g. every site refused the app ("The FAB could not be verified."): the run's status names why.
         raise RuntimeError(f"no site answered the survey ({'; '.join(failures) or 'no replies'})")
     return survey
+
+
+def refuse_sites(recorder: RunRecorder, survey: dict[int, dict], refused: dict[int, str]) -> dict[int, dict]:
+    """Record each refused site like a dropped one (round 0: the survey) and return the survey without them."""
+    for node, reason in refused.items():
+        print(reason, flush=True)
+        recorder.record_dropout(0, str(node), reason)
+    return {node: s for node, s in survey.items() if node not in refused}
 
 
 def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names: tuple[str, ...]) -> None:
@@ -192,25 +200,70 @@ class TaskShape:
     name: str
 
 
-def agreed_task_shape(cfg: RunConfig, survey: dict[int, dict], test: ImageDataset | None) -> TaskShape | ImageDataset:
-    """The label space and image shape of the run: the server's test data when it has some, else what
-    the sites reported. Every surveyed site must agree, or the run stops before training with the
-    sites and values named (a mismatch would otherwise surface as shape errors in every round)."""
-    reported = {node: (int(s["num-classes"]), tuple(int(v) for v in s["image-shape"])) for node, s in survey.items()}
+def _reported_task(survey: dict) -> TaskShape:
+    """The task shape one site reported (class names are optional: older or nameless sites send none)."""
+    num_classes = int(survey["num-classes"])
+    names = tuple(str(n) for n in survey.get("class-names", ())) or tuple(str(k) for k in range(num_classes))
+    return TaskShape(
+        num_classes, tuple(int(v) for v in survey["image-shape"]), names, bool(survey.get("multilabel", False)), "site data"
+    )
+
+
+def _kind(multilabel: bool) -> str:
+    return "multi-label" if multilabel else "single-label"
+
+
+def _task_differences(site: TaskShape, run: TaskShape) -> list[str]:
+    """How a site's task differs from the run's. Class names count only when both sides name their
+    classes (a site without classes.txt has names '0'..'K-1')."""
+    unnamed = tuple(str(k) for k in range(run.num_classes))
+    differences = []
+    if site.multilabel != run.multilabel:
+        differences.append(f"its data is {_kind(site.multilabel)} but the run is {_kind(run.multilabel)}")
+    if site.num_classes != run.num_classes:
+        differences.append(f"it has {site.num_classes} classes but the run has {run.num_classes}")
+    elif site.class_names != run.class_names and unnamed not in (site.class_names, run.class_names):
+        differences.append(f"its class names {list(site.class_names)} differ from the run's {list(run.class_names)}")
+    if site.image_shape != run.image_shape:
+        differences.append(f"its images are {site.image_shape} (C, H, W) but the run's are {run.image_shape}")
+    return differences
+
+
+def _majority(cfg: RunConfig, reported: dict[int, TaskShape]) -> TaskShape:
+    """The task most sites report (the lowest node id breaks ties), of the kind the config fixes if it does."""
+    kind = cfg.label_kind
+    candidates = [t for _, t in sorted(reported.items()) if kind is None or t.multilabel == (kind == "multi")]
+    pool = candidates or [t for _, t in sorted(reported.items())]
+    key = lambda t: (t.multilabel, t.num_classes, t.image_shape, t.class_names)  # noqa: E731
+    return max(pool, key=lambda t: sum(key(o) == key(t) for o in pool))
+
+
+def agreed_task_shape(
+    cfg: RunConfig, survey: dict[int, dict], test: ImageDataset | None
+) -> tuple[TaskShape | ImageDataset, dict[int, str]]:
+    """(the run's task, refused sites -> reason). The task (label kind, label space, image shape) is the
+    server's test data when it has some, else the run config's label kind and what most sites report.
+    A site that differs is refused with the reason and the run goes on without it (it would otherwise
+    fail every round with shape errors); the run stops only when no site fits, or the agreed label kind
+    does not fit the method."""
+    reported = {node: _reported_task(s) for node, s in survey.items()}
     if test is not None:
-        expected, source = (test.num_classes, test.image_shape), f"the server's test data ({test.name})"
+        run, source = TaskShape(test.num_classes, test.image_shape, test.class_names, test.multilabel, test.name), (
+            f"the server's test data ({test.name})"
+        )
     elif reported:
-        expected, source = next(iter(reported.values())), f"site {next(iter(reported))}"
+        run, source = _majority(cfg, reported), "the sites' majority"
     else:
         raise RuntimeError("no site answered the survey and the server has no test data: nothing defines the model")
-    mismatched = {node: value for node, value in reported.items() if value != expected}
-    if mismatched:
-        listed = "; ".join(f"site {node}: {k} classes, images {shape}" for node, (k, shape) in mismatched.items())
-        raise ValueError(
-            f"sites disagree with {source} ({expected[0]} classes, images {expected[1]} as C, H, W): {listed}. "
-            "Set run-config num-classes and image-size, or fix those sites' classes.txt / images"
-        )
-    if test is not None:
-        return test
-    num_classes, image_shape = expected
-    return TaskShape(num_classes, image_shape, tuple(str(k) for k in range(num_classes)), cfg.multilabel, "site data")
+    check_label_kind(cfg, run.multilabel, source)
+    refused = {}
+    for node, site in sorted(reported.items()):
+        differences = _task_differences(site, run)
+        if differences:
+            refused[node] = (
+                f"site {node} refused: {'; '.join(differences)} (run task from {source}). Fix the site's labels.csv / "
+                "classes.txt / images, or set run-config labels, num-classes and image-size"
+            )
+    if reported and len(refused) == len(reported):
+        raise ValueError("every site was refused: " + " | ".join(refused.values()))
+    return (test if test is not None else run), refused

@@ -41,6 +41,10 @@ def test_pyproject_and_configuration_page_tables_are_generated_from_the_model():
         ({"dataset": "imagenet"}, ["'dataset'", "imagenet", "medmnist:<name>"]),
         ({"no-such-key": 1}, ["unknown key 'no-such-key'", "alpha"]),
         ({"device": "tpu"}, ["'device'", "tpu", "'auto', 'cpu' or 'cuda'"]),
+        ({"labels": "single"}, ["'labels'", "single", "multi or auto when mosaic-grid >= 2"]),
+        ({"labels": "single", "mosaic-grid": 0, "partition": "iid"}, ["'method'", "fednca", "multi-label"]),
+        ({"labels": "multi", "method": "factory", "partition": "iid"}, ["'method'", "factory", "single-label data"]),
+        ({"dataset": "medmnist:pathmnist", "mosaic-grid": 0}, ["'method'", "fednca", "multi-label"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(overrides, fragments):
@@ -56,4 +60,18 @@ def test_single_label_settings_are_accepted():
     cfg = RunConfig.from_run_config(
         {"method": "fedavg", "mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
     )
-    assert not cfg.multilabel and cfg.partition == "classes-per-site"
+    assert cfg.label_kind == "single" and cfg.partition == "classes-per-site"
+
+
+@pytest.mark.parametrize(
+    "overrides, kind",
+    [
+        ({}, "multi"),  # digits mosaics
+        ({"dataset": "medmnist:chestmnist", "mosaic-grid": 0}, "multi"),  # medmnist's INFO task
+        ({"dataset": "medmnist:pathmnist", "mosaic-grid": 0, "method": "fedavg", "partition": "iid"}, "single"),
+        ({"dataset": "npz:own.npz", "mosaic-grid": 0}, None),  # only the file can tell: checked when loaded
+        ({"dataset": "npz:own.npz", "mosaic-grid": 0, "labels": "multi"}, "multi"),
+    ],
+)
+def test_the_label_kind_comes_from_the_config_only_when_it_can_tell(overrides, kind):
+    assert RunConfig.from_run_config(overrides).label_kind == kind

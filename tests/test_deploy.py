@@ -22,6 +22,8 @@ import yaml
 from cryptography import x509
 from flwr.common.config import parse_config_args
 
+from multihot_npz import write_multihot_npz
+
 from fedskew.app_signing import AppIndex, publish_app
 from fedskew.cli import main as cli_main
 from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connection_toml, node_config_arg, offline_env
@@ -32,7 +34,7 @@ DOCKER = REPO / "docker"
 # One thread per process: three sites' ClientApps, the ServerApp and pytest share two cores.
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TINY = {"num-server-rounds": 2, "batch-size": 64, "min-site-size": 5, "local-epochs": 1}
-SITES = ["--sites", "3", "--dataset", "digits", "--mosaic-grid", "2", "--partition", "multilabel-skew",
+SITES = ["--sites", "3", "--mosaic-grid", "0", "--labels", "auto", "--partition", "multilabel-skew",
          "--alpha", "0.1", "--missing-classes", "3", "--seed", "0"]  # fmt: skip
 # FederatedFactory needs single-label sites; four classes each keeps the generator count (and time) small.
 FACTORY_SITES = ["--sites", "3", "--dataset", "digits", "--mosaic-grid", "0", "--partition", "classes-per-site",
@@ -69,8 +71,10 @@ def app_index(tmp_path_factory, pki):
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
+    """Site folders of a hospital-style multi-hot npz (not a mosaic): labels.csv rows with '|'-joined ids."""
     out = tmp_path_factory.mktemp("sites")
-    assert cli_main(["prepare-sites", *SITES, "--out", str(out)]) == 0
+    npz = write_multihot_npz(out / "own.npz")
+    assert cli_main(["prepare-sites", *SITES, "--dataset", f"npz:{npz}", "--out", str(out)]) == 0
     return out
 
 
@@ -173,7 +177,8 @@ def test_a_fednca_run_over_tls_completes_without_a_killed_site_and_a_site_with_b
     with running_sites(link, pki, tmp_path, data_dirs) as nodes:
         # val-fraction 0: train messages only (each message starts a ClientApp process: ~5 CPU-s). The killed
         # site's round-2 message ends with an "unavailable" error once its heartbeat lapses (about a minute).
-        run_id = link.submit({**TINY, "method": "fednca", "val-fraction": 0.0, "min-available-sites": 2,
+        run_id = link.submit({**TINY, "method": "fednca", "dataset": f"npz:{sites / 'own.npz'}", "mosaic-grid": 0,
+                              "labels": "auto", "val-fraction": 0.0, "min-available-sites": 2,
                               "round-timeout": 150.0, "results-dir": str(results),
                               "test-data": str(sites / "server-test")})  # fmt: skip
         deadline = time.monotonic() + 300

@@ -1,12 +1,17 @@
 """The app through real Flower processes: a simulation SuperLink on free loopback ports with
 its own FLWR_HOME, `flwr run`, and the run judged by `flwr ls` and the results it wrote."""
 
+import csv
 import json
 
+import numpy as np
 import pytest
+from multihot_npz import CLASS_NAMES, write_multihot_npz
 from safetensors.torch import load_file
 
 from fedskew.launch import SimulationSuperLink
+from fedskew.metrics import multilabel_metrics
+from fedskew.predict import predict
 
 TINY = {"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5}
 
@@ -45,10 +50,17 @@ def test_fedavg_runs_two_rounds_on_three_sites_and_writes_results(superlink, tmp
 
 
 @pytest.fixture(scope="module")
-def fednca_run(superlink, tmp_path_factory):
-    """One real fednca run (2 sites, 2 rounds), shared by the tests that inspect or resume it."""
+def own_multilabel(tmp_path_factory):
+    """The run config of a hospital's own multi-hot npz (not a mosaic): the label kind comes from the file."""
+    path = write_multihot_npz(tmp_path_factory.mktemp("own") / "own.npz")
+    return {"dataset": f"npz:{path}", "mosaic-grid": 0, "labels": "auto"}
+
+
+@pytest.fixture(scope="module")
+def fednca_run(superlink, own_multilabel, tmp_path_factory):
+    """One real fednca run (2 sites, 2 rounds) on a multi-hot npz, shared by the tests that inspect or resume it."""
     results = tmp_path_factory.mktemp("fednca")
-    outcome = superlink.run_app({**TINY, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
+    outcome = superlink.run_app({**TINY, **own_multilabel, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
     assert outcome.completed, outcome.output[-4000:]
     return _only_run_dir(results)
 
@@ -58,13 +70,29 @@ def test_fednca_two_rounds_every_site_trains_against_the_servers_etf(fednca_run)
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     # each site echoes the CRC32 of the ETF it received; the server compares with its own
     assert summary["etf_checks"] == [{"round": r, "sites": 2, "matching": 2} for r in (1, 2)]
-    assert 0.0 <= summary["final"]["f1_macro"] <= 1.0 and len(summary["final"]["per_class_f1"]) == 10
+    assert 0.0 <= summary["final"]["f1_macro"] <= 1.0 and len(summary["final"]["per_class_f1"]) == len(CLASS_NAMES)
+    partition = json.loads((fednca_run / "partition.json").read_text())
+    assert partition["class-names"] == list(CLASS_NAMES) and "cooccurrence" in partition["sites"][0]
 
 
-def test_a_resumed_run_continues_after_the_last_completed_round(superlink, fednca_run, tmp_path):
+def test_predict_on_the_test_split_reproduces_the_runs_reported_test_metrics(fednca_run, own_multilabel, tmp_path):
+    summary = json.loads((fednca_run / "summary.json").read_text())
+    assert summary["selected_by"].startswith("val_f1_macro")  # chosen on validation, never on test
+    out = tmp_path / "predictions.csv"
+    report = predict(fednca_run, own_multilabel["dataset"].removeprefix("npz:"), out)
+    assert report["model"].endswith("model-selected.safetensors")
+    rows = list(csv.DictReader(out.open()))
+    probs = np.array([[float(r[f"p:{name}"]) for name in CLASS_NAMES] for r in rows])
+    test_labels = np.load(own_multilabel["dataset"].removeprefix("npz:"))["test_labels"]
+    recomputed = multilabel_metrics(test_labels, probs)
+    for key in ("f1_macro", "f1_micro", "auc_macro", "map"):
+        assert recomputed[key] == summary["best"][key], key
+
+
+def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_multilabel, fednca_run, tmp_path):
     before = {p.name: p.read_bytes() for p in fednca_run.iterdir()}
     resumed = superlink.run_app(
-        {**TINY, "method": "fednca", "num-server-rounds": 3, "resume-from": str(fednca_run), "results-dir": str(tmp_path)},
+        {**TINY, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(fednca_run), "results-dir": str(tmp_path)},
         num_supernodes=2,
     )
     assert resumed.completed, resumed.output[-4000:]

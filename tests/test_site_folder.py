@@ -11,7 +11,7 @@ from PIL import Image
 
 from fedskew.cli import main as cli_main
 from fedskew.client_tasks import load_site, site_survey
-from fedskew.config import RunConfig
+from fedskew.config import ConfigError, RunConfig
 from fedskew.data.site_folder import (
     DeployedSite,
     SiteFolderError,
@@ -23,6 +23,8 @@ from fedskew.data.site_folder import (
 from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.data.sources import DataSourceError
 from fedskew.results import RunRecorder
+from multihot_npz import CLASS_NAMES, write_multihot_npz
+
 from fedskew.server_tasks import agreed_task_shape, load_server_test_set, make_evaluate_fn, resume_point
 
 CFG = RunConfig.from_run_config({"method": "fedavg", "val-fraction": 0.2})
@@ -170,8 +172,9 @@ def test_a_missing_empty_or_ambiguous_data_dir_is_a_clear_error_at_load_site(tmp
 def test_a_site_npz_must_match_the_runs_label_kind(tmp_path):
     images, labels = np.random.default_rng(0).random((6, 1, 4, 4), dtype=np.float32), np.arange(6) % 3
     write_labelled_folder(tmp_path / "single", images, labels, ("a", "b", "c"), "npz")
-    with pytest.raises(SiteFolderError, match="holds class ids but this run is multi-label"):
+    with pytest.raises(SiteFolderError, match="holds class ids but run-config labels = 'multi'; set labels to 'auto'"):
         read_labelled_folder(tmp_path / "single", multilabel=True)
+    assert read_labelled_folder(tmp_path / "single", multilabel=None).labels.ndim == 1  # auto: the file tells
     data = read_labelled_folder(tmp_path / "single", multilabel=False)
     np.testing.assert_array_equal(data.images, images)
     np.testing.assert_array_equal(data.labels, labels)
@@ -202,17 +205,64 @@ def test_server_test_data_by_run_config(prepared):
         load_server_test_set(CFG.model_copy(update={"num_classes": 7}))
 
 
+def _survey(k=10, shape=(1, 16, 16), multilabel=1, names=None):
+    return {"num-classes": k, "image-shape": list(shape), "multilabel": multilabel,
+            "class-names": list(names or [str(c) for c in range(k)])}  # fmt: skip
+
+
 def test_the_task_shape_comes_from_agreeing_sites_or_the_server_test_data():
-    survey = {11: {"num-classes": 10, "image-shape": [1, 16, 16]}, 12: {"num-classes": 10, "image-shape": [1, 16, 16]}}
-    shape = agreed_task_shape(CFG, survey, None)
-    assert (shape.num_classes, shape.image_shape, shape.multilabel) == (10, (1, 16, 16), True)
+    survey = {11: _survey(), 12: _survey()}
+    shape, refused = agreed_task_shape(CFG, survey, None)
+    assert (shape.num_classes, shape.image_shape, shape.multilabel, refused) == (10, (1, 16, 16), True, {})
     test = load_task_dataset(CFG)
-    assert agreed_task_shape(CFG, survey, test) is test
-    survey[13] = {"num-classes": 9, "image-shape": [1, 16, 16]}
-    with pytest.raises(ValueError, match=r"sites disagree with .*site 13: 9 classes, images \(1, 16, 16\)"):
-        agreed_task_shape(CFG, survey, test)
+    assert agreed_task_shape(CFG, survey, test) == (test, {})
     with pytest.raises(RuntimeError, match="no site answered the survey"):
         agreed_task_shape(CFG, {}, None)
+
+
+def test_a_site_whose_label_kind_or_label_space_differs_is_refused_and_the_rest_go_on():
+    test = load_task_dataset(CFG)
+    survey = {11: _survey(), 12: _survey(k=9), 13: _survey(multilabel=0), 14: _survey(shape=(3, 16, 16))}
+    task, refused = agreed_task_shape(CFG, survey, test)
+    assert task is test and sorted(refused) == [12, 13, 14]
+    assert "it has 9 classes but the run has 10" in refused[12]
+    assert "its data is single-label but the run is multi-label" in refused[13]
+    assert "its images are (3, 16, 16) (C, H, W) but the run's are (1, 16, 16)" in refused[14]
+    # Without server test data the majority defines the task (the config's label kind first); class
+    # names count when both sides name their classes.
+    auto = RunConfig.from_run_config({"dataset": "npz:own.npz", "mosaic-grid": 0, "test-data": "federated"})
+    names, other = ["a", "b", "c", "d", "e"], ["a", "b", "c", "d", "x"]
+    survey = {1: _survey(k=5, names=names), 2: _survey(k=5), 3: _survey(k=4), 4: _survey(k=5, names=other), 5: _survey(k=5, names=names)}
+    task, refused = agreed_task_shape(auto, survey, None)
+    assert task.class_names == tuple(names) and sorted(refused) == [3, 4]
+    assert "class names ['a', 'b', 'c', 'd', 'x'] differ from the run's ['a', 'b', 'c', 'd', 'e']" in refused[4]
+    with pytest.raises(ValueError, match="every site was refused"):
+        agreed_task_shape(CFG, {12: _survey(k=9)}, test)
+    # Sites that agree on single-label data cannot run a multi-label method: one clear error.
+    with pytest.raises(ConfigError, match="the sites' majority holds single-label data.*'method' = 'fednca'"):
+        agreed_task_shape(auto, {1: _survey(multilabel=0)}, None)
+
+
+def _write_csv_site(folder, rows, side=4):
+    (folder / "images").mkdir(parents=True)
+    for name, _ in rows:
+        Image.fromarray(np.zeros((side, side), np.uint8)).save(folder / "images" / name)
+    (folder / "labels.csv").write_text("file,labels\n" + "".join(f"{n},{lab}\n" for n, lab in rows))
+    (folder / "classes.txt").write_text("a\nb\nc\n")
+    return folder
+
+
+def test_with_labels_auto_a_site_folder_tells_its_label_kind(tmp_path):
+    multi = _write_csv_site(tmp_path / "multi", [("1.png", "0|2"), ("2.png", "1")])
+    single = _write_csv_site(tmp_path / "single", [("1.png", "0"), ("2.png", "2")])
+    assert read_labelled_folder(multi, multilabel=None).labels.tolist() == [[1, 0, 1], [0, 1, 0]]
+    assert read_labelled_folder(single, multilabel=None).labels.tolist() == [0, 2]
+    auto = RunConfig.from_run_config({"dataset": "npz:own.npz", "mosaic-grid": 0})
+    assert site_survey(auto, load_site(auto, {"data-dir": str(multi)}))["multilabel"] == 1
+    assert site_survey(auto, load_site(auto, {"data-dir": str(single)}))["multilabel"] == 0
+    # labels = 'multi' reads one id per row as a one-hot row (a multi-label site where each image has one label).
+    explicit = auto.model_copy(update={"labels": "multi"})
+    assert load_site(explicit, {"data-dir": str(single)}).train_labels.ndim == 2
 
 
 def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
@@ -261,3 +311,19 @@ def test_a_serverapp_exception_ends_the_run_as_failed_with_the_reason_in_its_res
     (run,) = tmp_path.iterdir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["reason"] == "ConnectionError: SuperLink unreachable"
+
+
+def test_a_multi_hot_npz_is_read_as_multi_label_and_checked_against_the_config_when_loaded(tmp_path):
+    path = write_multihot_npz(tmp_path / "own.npz")
+    auto = {"dataset": f"npz:{path}", "mosaic-grid": 0, "min-site-size": 5}
+    dataset = load_task_dataset(RunConfig.from_run_config(auto))
+    assert dataset.multilabel and dataset.class_names == CLASS_NAMES and dataset.train_labels.shape == (270, 6)
+    with pytest.raises(ConfigError, match=r"own.npz' holds multi-label data.*'method' = 'factory' is invalid"):
+        load_task_dataset(RunConfig.from_run_config({**auto, "method": "factory", "partition": "iid"}))
+    with pytest.raises(ConfigError, match=r"'mosaic-grid' = 2 is invalid for dataset .*already multi-label.*valid: 0"):
+        load_task_dataset(RunConfig.from_run_config({**auto, "mosaic-grid": 2}))
+    # prepare-sites writes '|'-joined rows, which a site with labels = 'auto' reads back as multi-label.
+    assert cli_main(["prepare-sites", "--sites", "2", "--dataset", f"npz:{path}", "--mosaic-grid", "0",
+                     "--min-site-size", "5", "--out", str(tmp_path / "sites")]) == 0  # fmt: skip
+    site = load_site(RunConfig.from_run_config(auto), {"data-dir": str(tmp_path / "sites" / "site-0")})
+    assert site.multilabel and site.class_names == CLASS_NAMES

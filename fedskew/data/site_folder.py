@@ -15,8 +15,9 @@ A data dir holds exactly one of these layouts:
 
 The site keeps `val-fraction` of its data for local validation, drawn with the same seed as a
 simulated site with the same id, so a folder written by `fedskew prepare-sites` splits exactly like
-its simulated twin. Whether labels are multi-label comes from the run config (`mosaic-grid` >= 2 or a
-multi-label dataset), so that every site and the server agree on it.
+its simulated twin. Whether labels are multi-label follows run-config `labels`; with `auto` the folder
+tells: multi-hot (N, K) npz labels, or a labels.csv row with several `|`-joined ids or none. The site
+reports its kind in the site survey and the server refuses a site whose kind differs from the run's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fedskew.config import RunConfig
+from fedskew.config import RunConfig, check_label_kind
 from fedskew.data.sites import SiteData, load_partition, load_task_dataset, simulated_site, site_validation_split
 from fedskew.data.sources import (
     DataSourceError,
@@ -80,8 +81,11 @@ class DeployedSite(SiteData):
 # --- reading ---------------------------------------------------------------------------------------
 
 
-def read_labelled_folder(folder: str | Path, *, multilabel: bool, num_classes: int = 0, image_size: int = 0) -> LabelledImages:
-    """All labelled images in `folder` (the labels.csv or site.npz layout).
+def read_labelled_folder(
+    folder: str | Path, *, multilabel: bool | None, num_classes: int = 0, image_size: int = 0
+) -> LabelledImages:
+    """All labelled images in `folder` (the labels.csv or site.npz layout); multilabel None reads the
+    label kind from the data (see `folder_label_kind`).
 
     num_classes 0 takes the count from classes.txt / class_names / the multi-hot width; image_size > 0
     resizes every image to image_size x image_size (0 keeps them as stored: they must share one size).
@@ -94,10 +98,13 @@ def read_labelled_folder(folder: str | Path, *, multilabel: bool, num_classes: i
         raise SiteFolderError(f"{folder} holds both {LABELS_FILE} and {SITE_NPZ}; keep exactly one layout")
     if has_csv:
         images, rows, names = _read_png_layout(folder, multilabel, image_size)
+        if multilabel is None:
+            multilabel = csv_rows_are_multilabel(rows)
         num_classes = _resolve_num_classes(folder, names, num_classes, multi_hot_width=0)
         labels = _labels_from_rows(rows, num_classes, multilabel, folder / LABELS_FILE)
     elif has_npz:
         images, labels, names = _read_npz_layout(folder / SITE_NPZ, multilabel, image_size)
+        multilabel = labels.ndim == 2
         num_classes = _resolve_num_classes(folder, names, num_classes, multi_hot_width=labels.shape[1] if multilabel else 0)
         if not multilabel and labels.max() >= num_classes:
             raise SiteFolderError(
@@ -114,7 +121,12 @@ def _listing(folder: Path, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} entries)" if len(names) > limit else "") if names else "nothing"
 
 
-def _read_png_layout(folder: Path, multilabel: bool, image_size: int) -> tuple[np.ndarray, list, tuple[str, ...]]:
+def csv_rows_are_multilabel(rows: list[tuple[int, str, list[int]]]) -> bool:
+    """labels.csv rows read as multi-label when any image has several ids or none (an empty field)."""
+    return any(len(ids) != 1 for _, _, ids in rows)
+
+
+def _read_png_layout(folder: Path, multilabel: bool | None, image_size: int) -> tuple[np.ndarray, list, tuple[str, ...]]:
     """(images, labels.csv rows, class names from classes.txt or ())."""
     rows = _read_labels_csv(folder / LABELS_FILE, multilabel)
     image_dir = folder / IMAGES_DIR
@@ -135,7 +147,7 @@ def _read_png_layout(folder: Path, multilabel: bool, image_size: int) -> tuple[n
     return images, rows, names
 
 
-def _read_labels_csv(path: Path, multilabel: bool) -> list[tuple[int, str, list[int]]]:
+def _read_labels_csv(path: Path, multilabel: bool | None) -> list[tuple[int, str, list[int]]]:
     """(line number, file name, class ids) per data row; line 1 is the header."""
     reader = csv.reader(io.StringIO(_utf8_text(path), newline=""))
     try:
@@ -173,19 +185,19 @@ def _utf8_text(path: Path) -> str:
         raise SiteFolderError(f"{path} line {line} is not UTF-8 ({err.reason} at byte {err.start}); save the file as UTF-8") from None
 
 
-def _parse_class_ids(field: str, path: Path, line: int, multilabel: bool) -> list[int]:
+def _parse_class_ids(field: str, path: Path, line: int, multilabel: bool | None) -> list[int]:
     parts = [part.strip() for part in field.split(LABEL_SEPARATOR)] if field.strip() else []
     # ASCII digits only: str.isdigit also accepts '²' (int() refuses it) and other scripts' digits.
     if not all(CLASS_ID.match(part) for part in parts):
         raise SiteFolderError(
             f"{path} line {line}: labels {field[:100]!r} are not class ids; valid: whole numbers >= 0 written with 0-9"
-            + (f" joined by '{LABEL_SEPARATOR}' (empty = no label)" if multilabel else "")
+            + ("" if multilabel is False else f" joined by '{LABEL_SEPARATOR}' (empty = no label)")
         )
     ids = [int(part) for part in parts]
-    if not multilabel and len(ids) != 1:
+    if multilabel is False and len(ids) != 1:
         raise SiteFolderError(
             f"{path} line {line}: labels {field!r} are not exactly one class id, but this run is single-label "
-            "(mosaic-grid 0 with a single-label dataset); give one id per image or run a multi-label config"
+            "(run-config labels = 'single'); give one id per image, or set labels to 'multi' or 'auto'"
         )
     if len(set(ids)) != len(ids):
         raise SiteFolderError(f"{path} line {line}: labels {field!r} repeat a class id; list each label once")
@@ -225,9 +237,13 @@ def _stack_images(files: list[tuple[int, Path]], image_size: int, labels_path: P
 
 
 def _read_image(path: Path, line: int, labels_path: Path) -> np.ndarray:
-    """One image file as float32 (C, H, W) in [0, 1]: grey (8/16 bit) gives 1 channel, colour 3 (alpha dropped)."""
     if not path.is_file():
         raise SiteFolderError(f"{labels_path} line {line} names {path.name!r}, but {path} does not exist")
+    return decode_image(path, where=f" (line {line} of {labels_path})")
+
+
+def decode_image(path: Path, where: str = "") -> np.ndarray:
+    """One image file as float32 (C, H, W) in [0, 1]: grey (8/16 bit) gives 1 channel, colour 3 (alpha dropped)."""
     try:
         # PIL only warns between 1x and 2x its pixel limit: refuse those too, before any pixel is decoded.
         with warnings.catch_warnings():
@@ -243,15 +259,15 @@ def _read_image(path: Path, line: int, labels_path: Path) -> np.ndarray:
                 pixels = np.asarray(img.convert("RGB"), dtype=np.float32).transpose(2, 0, 1) / 255.0
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise SiteFolderError(
-            f"{path} (line {line} of {labels_path}) is too large to read safely ({err}); valid: at most "
+            f"{path}{where} is too large to read safely ({err}); valid: at most "
             f"{Image.MAX_IMAGE_PIXELS} pixels, resize it"
         ) from None
     except (UnidentifiedImageError, OSError) as err:
-        raise SiteFolderError(f"{path} (line {line} of {labels_path}) is not a readable image: {err}") from err
+        raise SiteFolderError(f"{path}{where} is not a readable image: {err}") from err
     return np.clip(pixels, 0.0, 1.0)
 
 
-def _read_npz_layout(path: Path, multilabel: bool, image_size: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+def _read_npz_layout(path: Path, multilabel: bool | None, image_size: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     try:
         arrays = _read_npz(str(path), *_file_version(path))
     except DataSourceError as err:
@@ -269,11 +285,11 @@ def _read_npz_layout(path: Path, multilabel: bool, image_size: int) -> tuple[np.
         raise SiteFolderError(f"{path}: {err}") from err
     if len(images) != len(labels) or len(images) == 0:
         raise SiteFolderError(f"{path} has {len(images)} images and {len(labels)} label rows; expected the same non-zero number")
-    if (labels.ndim == 2) != multilabel:
+    if multilabel is not None and (labels.ndim == 2) != multilabel:
         kind = "multi-hot (N, K) labels" if labels.ndim == 2 else "class ids"
         raise SiteFolderError(
-            f"{path} holds {kind} but this run is {'multi' if multilabel else 'single'}-label; the label kind follows "
-            "the run config (multi-label when mosaic-grid >= 2 or the dataset is multi-label)"
+            f"{path} holds {kind} but run-config labels = {('multi' if multilabel else 'single')!r}; set labels to "
+            "'auto' (the kind is read from the data) or to the kind of this file"
         )
     names = tuple(str(n) for n in arrays["class_names"]) if "class_names" in arrays else ()
     return (resize_images(images, image_size) if image_size > 0 else images), labels, names
@@ -327,8 +343,14 @@ def deployed_site(cfg: RunConfig, node_config: Mapping) -> DeployedSite:
     official = _official_medmnist_file(cfg, data_dir)
     if official is not None and not any((data_dir / name).is_file() for name in (LABELS_FILE, SITE_NPZ)):
         return _official_medmnist_site(cfg, data_dir, node_config, site_id, num_sites)
-    data = read_labelled_folder(data_dir, multilabel=cfg.multilabel, num_classes=cfg.num_classes, image_size=cfg.image_size)
+    data = read_labelled_folder(data_dir, multilabel=declared_multilabel(cfg), num_classes=cfg.num_classes, image_size=cfg.image_size)
     return _split_site(cfg, data.images, data.labels, data.class_names, site_id, num_sites, data_dir)
+
+
+def declared_multilabel(cfg: RunConfig) -> bool | None:
+    """Run-config `labels` as read_labelled_folder takes it: None (auto) reads the kind from the folder.
+    mosaic-grid and the dataset name say nothing about a site's own folder, so only `labels` counts."""
+    return {"multi": True, "single": False}.get(cfg.labels)
 
 
 def _site_identity(node_config: Mapping) -> tuple[int, int]:
@@ -394,21 +416,22 @@ def _split_site(
 def load_test_set(cfg: RunConfig, path: str | Path) -> ImageDataset:
     """A coordinating centre's test data: a folder in the site layout (all of it is test data) or a
     MedMNIST-layout .npz file (its test split). Returned with an empty training split, as the server
-    never trains on it; label kind, class count and image size follow the run config like a site's."""
+    never trains on it; class count and image size follow the run config like a site's, and its label
+    kind must be one the run config can use."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".npz":
         test = resize_dataset(load_npz(path), cfg.image_size)
-        if test.multilabel != cfg.multilabel or cfg.num_classes not in (0, test.num_classes):
+        if cfg.num_classes not in (0, test.num_classes):
             raise SiteFolderError(
-                f"test-data {path} has {'multi' if test.multilabel else 'single'}-label data with {test.num_classes} "
-                f"classes but the run is {'multi' if cfg.multilabel else 'single'}-label with num-classes = "
-                f"{cfg.num_classes or 'from the data'}; they must agree"
+                f"test-data {path} has {test.num_classes} classes but run-config num-classes = {cfg.num_classes}; "
+                "they must agree (or set num-classes to 0)"
             )
         data = LabelledImages(test.test_images, test.test_labels, test.class_names)
     elif path.is_dir():
-        data = read_labelled_folder(path, multilabel=cfg.multilabel, num_classes=cfg.num_classes, image_size=cfg.image_size)
+        data = read_labelled_folder(path, multilabel=declared_multilabel(cfg), num_classes=cfg.num_classes, image_size=cfg.image_size)
     else:
         raise SiteFolderError(f"test-data {path} is neither a folder nor an .npz file; valid: a folder holding {LAYOUTS}, or a MedMNIST-layout .npz")
+    check_label_kind(cfg, data.labels.ndim == 2, f"test-data {path}")
     return ImageDataset(
         train_images=data.images[:0],
         train_labels=data.labels[:0],

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedskew.config import RunConfig
+from fedskew.config import ConfigError, RunConfig, check_label_kind
 from fedskew.data.mosaic import mosaic_dataset
 from fedskew.data.partition import Partition, make_partition, split_site_validation
 from fedskew.data.sources import ImageDataset, load_source
@@ -32,8 +32,11 @@ class SiteData:
 
 
 def load_task_dataset(cfg: RunConfig) -> ImageDataset:
-    """The run's dataset after optional mosaicking (train and test splits)."""
-    return _load_task_dataset(cfg.dataset, cfg.data_root, cfg.image_size, cfg.allow_download, cfg.mosaic_grid, cfg.seed)
+    """The run's dataset after optional mosaicking (train and test splits); ConfigError when its label
+    kind does not fit the run config (with `labels = "auto"` only the data can tell)."""
+    dataset = _load_task_dataset(cfg.dataset, cfg.data_root, cfg.image_size, cfg.allow_download, cfg.mosaic_grid, cfg.seed)
+    check_label_kind(cfg, dataset.multilabel, f"dataset {cfg.dataset!r}")
+    return dataset
 
 
 @functools.lru_cache(maxsize=4)
@@ -41,6 +44,11 @@ def _load_task_dataset(
     dataset: str, data_root: str, image_size: int, allow_download: bool, mosaic_grid: int, seed: int
 ) -> ImageDataset:
     source = load_source(dataset, data_root=data_root, image_size=image_size, allow_download=allow_download, seed=seed)
+    if mosaic_grid >= 2 and source.multilabel:
+        raise ConfigError(
+            f"key 'mosaic-grid' = {mosaic_grid} is invalid for dataset {dataset!r}: it is already multi-label "
+            "(mosaics combine single-label images); valid: 0"
+        )
     return mosaic_dataset(source, mosaic_grid, seed) if mosaic_grid >= 2 else source
 
 

@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 from fedskew.config import RunConfig
-from fedskew.models.backbones import Classifier, build_backbone
+from fedskew.models.backbones import Classifier, build_backbone, load_pretrained
 from fedskew.models.fednca import FedNCAModel, etf_dim, simplex_etf
 
 
 def server_etf(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> torch.Tensor:
     """The run's fixed simplex ETF, built once by the server from the run seed."""
-    feature_dim = build_backbone(cfg.model, image_shape[0], image_shape[1]).feature_dim
+    feature_dim = build_backbone(cfg.model, image_shape[0], image_shape[1], bool(cfg.pretrained)).feature_dim
     return simplex_etf(num_classes, etf_dim(feature_dim, cfg.fednca.projection_dim or None), cfg.seed)
 
 
@@ -21,7 +21,7 @@ def build_model(
 ) -> nn.Module:
     """FedNCA-ML's ETF model (with the server's `etf`) for method fednca, else backbone + linear head."""
     channels, height, _ = image_shape
-    backbone = build_backbone(cfg.model, channels, height)
+    backbone = build_backbone(cfg.model, channels, height, imagenet_input=bool(cfg.pretrained))
     if cfg.method != "fednca":
         return Classifier(backbone, num_classes)
     if etf is None:
@@ -50,3 +50,11 @@ def weights_mismatch(state: dict[str, torch.Tensor], reference: dict[str, torch.
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             return f"tensor {name!r} holds non-finite values"
     return None
+
+
+def load_pretrained_backbone(cfg: RunConfig, model: nn.Module) -> nn.Module:
+    """The server's initial model starts from `pretrained` (sites receive these weights in round 1 and
+    never read the file); a no-op without it."""
+    if cfg.pretrained:
+        load_pretrained(model.backbone, cfg.pretrained, cfg.model)
+    return model

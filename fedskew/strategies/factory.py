@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -64,6 +64,7 @@ METRICS_KEY = "metrics"
 LIBRARY_DIR = "library"
 EXPERTS_DIR = "experts"
 SAMPLES_DIR = "samples"
+POE_MODEL = "model-poe.safetensors"
 
 
 class TaskLike(Protocol):
@@ -422,6 +423,12 @@ def run_factory(
 ) -> None:
     """method factory (round 1) or factory-p2p (rounds 1 and 2); results go to recorder.path."""
     flow = FactoryFlow(grid, recorder, cfg.round_timeout)
+    recorder.selected_within = (
+        "factory.classifier-val-fraction: the classifier's epoch is chosen on held-out synthetic images"
+        if cfg.method == "factory"
+        else "factory.p2p-val-fraction: the Product of Experts, each expert's epoch chosen on a held-out share of its "
+        "site's real + synthetic images"
+    )
     library, rejected = flow.collect_library(survey, task, cfg)
     write_library(library, recorder.path / LIBRARY_DIR)
     missing = library.missing_classes()
@@ -461,3 +468,7 @@ def run_factory(
     }
     mean = {k: float(np.mean([e.metrics[k] for e in experts])) for k in ("train_loss", "val_accuracy")}
     recorder.record_round(2, poe, train=mean)
+    # The Product of Experts as one self-contained model file (model.safetensors stays the server's classifier).
+    if recorder.model_card is not None:
+        recorder.model_card = replace(recorder.model_card, experts=len(experts))
+    recorder.save_checkpoint(ExpertEnsemble([e.model for e in experts]).state_dict(), name=POE_MODEL)

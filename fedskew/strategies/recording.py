@@ -9,8 +9,12 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedskew.results import RunRecorder
+
+
+EXAMPLES_KEY = "num-examples"
 
 
 def payload_nbytes(message: Message) -> int:
@@ -25,16 +29,18 @@ class RecordingMixin:
     last_train_metrics: dict
     last_val_metrics: dict
 
-    def attach(self, recorder: RunRecorder, round_offset: int = 0) -> None:
+    def attach(self, recorder: RunRecorder, round_offset: int = 0, refused: set[int] = frozenset()) -> None:
         """Record into `recorder`; a resumed run numbers its rounds after `round_offset`, so the
-        sites' schedules and seeds continue where the earlier run stopped."""
+        sites' schedules and seeds continue where the earlier run stopped. `refused` nodes (refused at
+        the site survey) are sent nothing."""
         self.recorder = recorder
         self.round_offset = round_offset
+        self.refused = set(refused)
         self.destinations: dict[str, int] = {}
         self.last_train_metrics, self.last_val_metrics = {}, {}
 
     def _count_out(self, messages: Iterable[Message]) -> list[Message]:
-        messages = list(messages)
+        messages = [msg for msg in messages if msg.metadata.dst_node_id not in self.refused]
         for msg in messages:
             # The SuperLink answers for a vanished node with its own id as the source, so replies
             # are traced back to their site through the id of the message they answer.
@@ -70,6 +76,10 @@ class RecordingMixin:
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.round_offset
-        metrics = super().aggregate_evaluate(server_round, self._count_in(server_round, replies))
+        replies = self._count_in(server_round, replies)
+        metrics = super().aggregate_evaluate(server_round, replies)
+        if metrics is not None and self.weighted_by_key != EXAMPLES_KEY:
+            # Validation metrics pick the best round: always weighted by examples, whatever the model averaging.
+            metrics = aggregate_metricrecords([m.content for m in replies if not m.has_error()], EXAMPLES_KEY)
         self.last_val_metrics = dict(metrics) if metrics is not None else {}
         return metrics

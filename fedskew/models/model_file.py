@@ -1,0 +1,151 @@
+"""Self-contained model files: the weights plus a metadata header that rebuilds the model without the run.
+
+A fedskew model file is a safetensors file. Its header's `fedskew` entry is JSON (`ModelCard`): the
+method, backbone, class names, label kind, image shape, input normalisation, decision rule and the
+run config the model was built from. FedNCA-ML's fixed simplex ETF (a non-persistent buffer, so not in
+the state dict) is stored as the tensor `fedskew.etf`; a `factory-p2p` file holds every site expert
+(`experts.K.*`) and predicts with their Product of Experts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from fedskew.config import RunConfig
+
+FORMAT = "fedskew-model/1"
+METADATA_KEY = "fedskew"
+ETF_TENSOR = "fedskew.etf"
+MULTILABEL_THRESHOLD = 0.5  # the threshold every F1 in the run's metrics uses
+
+
+class ModelFileError(ValueError):
+    """A file is not a readable fedskew model file; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    method: str
+    model: str  # the backbone / classifier architecture
+    class_names: tuple[str, ...]
+    label_kind: str  # "multi" | "single"
+    image_shape: tuple[int, int, int]  # (C, H, W) the model takes
+    normalisation: str  # what is done to [0, 1] pixels inside the model
+    run_config: dict
+    experts: int = 0  # factory-p2p: the number of site experts in the Product of Experts
+    round: int | None = None
+    selected_by: str = ""
+
+    @property
+    def multilabel(self) -> bool:
+        return self.label_kind == "multi"
+
+    @property
+    def decision(self) -> str:
+        if self.multilabel:
+            return f"every class whose sigmoid probability is > {MULTILABEL_THRESHOLD}"
+        return "the class with the highest softmax probability"
+
+    def header(self) -> dict[str, str]:
+        card = {**asdict(self), "format": FORMAT, "threshold": MULTILABEL_THRESHOLD if self.multilabel else None,
+                "decision": self.decision}  # fmt: skip
+        return {METADATA_KEY: json.dumps(card)}
+
+    def at_round(self, server_round: int | None, selected_by: str = "") -> ModelCard:
+        return replace(self, round=server_round, selected_by=selected_by)
+
+
+def run_model_card(cfg: RunConfig, class_names: tuple[str, ...], multilabel: bool, image_shape: tuple[int, int, int]) -> ModelCard:
+    """The card of the model a run with `cfg` trains on this task."""
+    factory = cfg.method in ("factory", "factory-p2p")
+    return ModelCard(
+        method=cfg.method,
+        model=cfg.factory.classifier if factory else cfg.model,
+        class_names=tuple(class_names),
+        label_kind="multi" if multilabel else "single",
+        image_shape=tuple(int(v) for v in image_shape),
+        normalisation=(
+            "inside the model: grey repeated to RGB, then ImageNet mean/std (pretrained backbone)" if cfg.pretrained and not factory
+            else "none: the model takes pixels scaled to [0, 1]"
+        ),
+        run_config=cfg.to_run_config(),
+    )
+
+
+def save_model_file(path: Path, state: dict[str, torch.Tensor], card: ModelCard, etf: torch.Tensor | None = None) -> Path:
+    """Write weights + header atomically (a crash never leaves half a file)."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    if etf is not None:
+        tensors[ETF_TENSOR] = etf.detach().cpu().contiguous()
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial), metadata=card.header())
+    partial.replace(path)
+    return path
+
+
+def read_model_file(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor], torch.Tensor | None]:
+    """(card, weights, ETF or None); ModelFileError when `path` is not a fedskew model file."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            header = (handle.metadata() or {}).get(METADATA_KEY)
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ModelFileError(f"{path} is not a readable safetensors file: {err}") from None
+    if header is None:
+        raise ModelFileError(
+            f"{path} has no '{METADATA_KEY}' metadata header: it holds weights only (written before model files were "
+            "self-contained); valid: model.safetensors or model-selected.safetensors of a current run"
+        )
+    fields = json.loads(header)
+    if fields.pop("format", None) != FORMAT:
+        raise ModelFileError(f"{path}: unknown model file format; this fedskew reads {FORMAT}")
+    for derived in ("threshold", "decision"):
+        fields.pop(derived, None)
+    card = ModelCard(**{**fields, "class_names": tuple(fields["class_names"]), "image_shape": tuple(fields["image_shape"])})
+    etf = tensors.pop(ETF_TENSOR, None)
+    return card, tensors, etf
+
+
+def weights_only(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights of a model file (without the ETF): what `resume-from` continues from."""
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys() if key != ETF_TENSOR}
+
+
+def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
+    """The untrained model a card describes (the same constructors the run used)."""
+    # Imported here: the factory classifier pulls in the EDM2 module, which plain runs never need.
+    from fedskew.factory.classifier import ExpertEnsemble, build_classifier
+    from fedskew.models.build import build_model
+
+    cfg = RunConfig.from_run_config(card.run_config)
+    num_classes = len(card.class_names)
+    if card.method in ("factory", "factory-p2p"):
+        if card.experts:
+            return ExpertEnsemble([build_classifier(card.model, card.image_shape, num_classes) for _ in range(card.experts)])
+        return build_classifier(card.model, card.image_shape, num_classes)
+    return build_model(cfg, num_classes, card.image_shape, etf=etf)
+
+
+def load_model_file(path: str | Path) -> tuple[nn.Module, ModelCard]:
+    """The trained model (eval mode) and its card."""
+    card, state, etf = read_model_file(path)
+    model = build_from_card(card, etf)
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    misshapen = [k for k in set(expected) & set(state) if expected[k].shape != state[k].shape]
+    if missing or unexpected or misshapen:
+        raise ModelFileError(
+            f"{path}: the weights do not fit the {card.method} / {card.model} model its header describes: missing "
+            f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {sorted(misshapen)[:3]} (a corrupt or edited file)"
+        )
+    model.load_state_dict(state)
+    return model.eval(), card

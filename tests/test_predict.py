@@ -1,0 +1,77 @@
+"""Self-contained model files and `fedskew predict`: a saved model rebuilds from its file alone and
+predicts exactly what the model in memory predicts."""
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from fedskew.cli import main as cli_main
+from fedskew.config import RunConfig
+from fedskew.factory.classifier import ExpertEnsemble, build_classifier
+from fedskew.models.build import build_model, server_etf
+from fedskew.models.model_file import ModelFileError, load_model_file, run_model_card, save_model_file
+from fedskew.predict import predict
+
+NAMES = ("a", "b", "c", "d")
+
+
+def _fednca_file(tmp_path, shape=(1, 8, 8)):
+    cfg = RunConfig.from_run_config({"dataset": "npz:own.npz", "mosaic-grid": 0})
+    etf = server_etf(cfg, len(NAMES), shape)
+    torch.manual_seed(0)
+    model = build_model(cfg, len(NAMES), shape, etf=etf).eval()
+    path = save_model_file(tmp_path / "m.safetensors", model.state_dict(), run_model_card(cfg, NAMES, True, shape), etf)
+    return model, path
+
+
+def test_a_fednca_model_file_carries_its_etf_and_rebuilds_the_same_model(tmp_path):
+    model, path = _fednca_file(tmp_path)
+    loaded, card = load_model_file(path)
+    x = torch.rand(5, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert (card.method, card.label_kind, card.class_names, card.image_shape) == ("fednca", "multi", NAMES, (1, 8, 8))
+    assert "> 0.5" in card.decision
+
+
+def test_a_product_of_experts_file_predicts_with_every_expert(tmp_path):
+    cfg = RunConfig.from_run_config({"method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier": "small-cnn"})
+    torch.manual_seed(1)
+    experts = ExpertEnsemble([build_classifier("small-cnn", (3, 8, 8), 4) for _ in range(3)]).eval()
+    card = run_model_card(cfg, NAMES, False, (3, 8, 8))
+    path = save_model_file(tmp_path / "poe.safetensors", experts.state_dict(), card.__class__(**{**card.__dict__, "experts": 3}))
+    loaded, card = load_model_file(path)
+    x = torch.rand(4, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), experts(x)) and card.experts == 3
+
+
+def test_predict_writes_one_row_per_image_of_a_folder_with_every_class_probability(tmp_path):
+    model, path = _fednca_file(tmp_path)
+    folder = tmp_path / "scans"
+    (folder / "ward").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(folder / "a.png")
+    Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(folder / "ward" / "b.jpg")  # resized to 8 px
+    out = tmp_path / "predictions.csv"
+    assert cli_main(["predict", str(path), "--input", str(folder), "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["file"] for r in rows] == ["a.png", "ward/b.jpg"]
+    image = np.asarray(Image.open(folder / "a.png"), dtype=np.float32)[None, None] / 255
+    with torch.no_grad():
+        expected = torch.sigmoid(model(torch.from_numpy(image)))[0].numpy()
+    assert [float(rows[0][f"p:{n}"]) for n in NAMES] == expected.tolist()
+    assert rows[0]["predicted"] == "|".join(n for n, p in zip(NAMES, expected) if p > 0.5)
+
+
+def test_a_weights_only_file_or_a_missing_model_is_a_clear_error(tmp_path):
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "old.safetensors"))
+    with pytest.raises(ModelFileError, match="has no 'fedskew' metadata header"):
+        load_model_file(tmp_path / "old.safetensors")
+    assert cli_main(["predict", str(tmp_path / "nowhere"), "--input", str(tmp_path)]) == 2
+    with pytest.raises(ValueError, match="holds neither model-selected.safetensors nor model.safetensors"):
+        predict(tmp_path, tmp_path, tmp_path / "p.csv")
