@@ -14,7 +14,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from fedskew.config import ConfigError, RunConfig
+from fedskew.config import DEPLOYED_MAX_MEMORIZATION, ConfigError, RunConfig
 from fedskew.privacy import (
     _central_wrapper,
     adaptive_round_multiplier,
@@ -183,3 +183,15 @@ def test_adaptive_clipping_with_too_few_sites_for_its_noise_names_the_keys():
     cfg = RunConfig.from_run_config({**DP_FEDAVG, "dp.clipping": "adaptive", "dp.noise-multiplier": 1.0})
     with pytest.raises(ValueError, match="dp.noise-multiplier.*dp.clipped-count-stddev"):
         _central_wrapper(cfg.dp, FedAvg(), num_sites=3)
+
+
+def test_the_memorisation_audit_is_on_by_default_at_a_deployed_site_only():
+    default = RunConfig().factory
+    assert default.memorization_limit(deployed=True) == DEPLOYED_MAX_MEMORIZATION > 0
+    assert default.memorization_limit(deployed=False) == 0.0
+    chosen = RunConfig.from_run_config({"factory.max-memorization": 0.2}).factory
+    assert chosen.memorization_limit(deployed=True) == chosen.memorization_limit(deployed=False) == 0.2
+    off = RunConfig.from_run_config({"factory.max-memorization": 0.0}).factory
+    assert off.memorization_limit(deployed=True) == 0.0
+    with pytest.raises(ConfigError, match="key 'factory.max-memorization' = -0.5 is invalid"):
+        RunConfig.from_run_config({"factory.max-memorization": -0.5})
