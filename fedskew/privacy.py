@@ -143,14 +143,20 @@ class _Accounted:
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         replies = list(replies)
+        failed = [r for r in replies if r.has_error()]
+        if failed and hasattr(self.strategy, "_count_in"):
+            # Flower's DP wrappers skip the whole round when a site failed; here the round goes on with
+            # the sites that answered (accounted below with the weaker noise that implies), and the
+            # failures are recorded as in any run.
+            self.strategy._count_in(server_round + self.strategy.round_offset, failed)
+        replies = [r for r in replies if not r.has_error()]
         for reply in replies:
-            if not reply.has_error():
-                reply.content["arrays"] = keep_counters(reply.content["arrays"], self.sent)
+            reply.content["arrays"] = keep_counters(reply.content["arrays"], self.sent)
         clipped_at = self.clipping_norm
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is None:
-            return arrays, metrics  # nothing released (a site failed): nothing spent
-        averaged = sum(not r.has_error() for r in replies)
+            return arrays, metrics  # nothing released: nothing spent
+        averaged = len(replies)
         # Noise std = multiplier x norm / sampled sites; sensitivity of the average = clip / averaged sites.
         # Flower's adaptive wrappers update the norm before noising, hence the two norms.
         update_multiplier = self.noise_multiplier * (self.clipping_norm / clipped_at) * (averaged / self.num_sampled_clients)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from dp_accounting import GaussianDpEvent
 from dp_accounting.rdp import RdpAccountant
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_adaptive_noise_params
 from flwr.supercore.task_identity import TaskIdentity
@@ -23,6 +23,7 @@ from fedskew.privacy import (
     privacy_mod,
 )
 from fedskew.results import RunRecorder
+from fedskew.strategies import RecordedFedAvg
 from fedskew.strategies.fednca import ETF_KEY
 
 DP_FEDAVG = {"method": "fedavg", "aggregation": "unweighted", "dp.mode": "central-server-clipping"}
@@ -83,16 +84,19 @@ class SitesOnline:
         return list(range(1, self.num_sites + 1))
 
 
-def _server_round(cfg: RunConfig, num_sites: int, sent: dict, replies: list[dict], tmp_path):
-    """One round of the wrapped strategy: configure for `num_sites`, aggregate the replies (site arrays)."""
+def _server_round(cfg: RunConfig, num_sites: int, sent: dict, replies: list[dict], tmp_path, failed: int = 0):
+    """One round of the wrapped strategy: configure for `num_sites`, aggregate the replies (site arrays)
+    and `failed` error replies."""
     recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path)
-    strategy = private_strategy(cfg, FedAvg(weighted_by_key="unit-weight"), num_sites, 500, recorder)
+    inner = RecordedFedAvg(weighted_by_key="unit-weight")
+    inner.attach(recorder)
+    strategy = private_strategy(cfg, inner, num_sites, 500, recorder)
     (outgoing, *_) = strategy.configure_train(1, record(sent), ConfigRecord(), SitesOnline(num_sites))
     metrics = MetricRecord({"num-examples": 10, "unit-weight": 1})
-    arrays, _ = strategy.aggregate_train(
-        1, [Message(RecordDict({"arrays": record(r), "metrics": metrics}), reply_to=outgoing) for r in replies]
-    )
-    return arrays, recorder.extra["privacy"]
+    answers = [Message(RecordDict({"arrays": record(r), "metrics": metrics}), reply_to=outgoing) for r in replies]
+    failures = [Message(Error(code=0, reason="site went offline"), reply_to=outgoing) for _ in range(failed)]
+    arrays, _ = strategy.aggregate_train(1, answers + failures)
+    return arrays, {**recorder.extra["privacy"], "dropped": recorder.dropped}
 
 
 def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_dropout(flower_identity, tmp_path):
@@ -101,7 +105,7 @@ def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_drop
     big, small = np.full(100, 1.0), np.full(100, 0.01)  # norms 10 (clipped to 1) and 0.1 (untouched)
     sent = {"w": np.zeros(100, np.float32), "bn.num_batches_tracked": np.array(7, dtype=np.int64)}
     replies = [{"w": u.astype(np.float32), "bn.num_batches_tracked": np.array(40, dtype=np.int64)} for u in (big, small)]
-    arrays, privacy = _server_round(cfg, 3, sent, replies, tmp_path)  # 3 sites sampled, 2 answered
+    arrays, privacy = _server_round(cfg, 3, sent, replies, tmp_path, failed=1)  # 3 sites asked, 2 answered
     averaged = arrays["w"].numpy()
     expected = (big / 10 + small) / 2
     noise_std = 1e-3 * 1.0 / 3  # Flower calibrates to the 3 sampled sites
@@ -110,6 +114,8 @@ def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_drop
     # the average of 2 has sensitivity 1/2, the noise std 1e-3/3: the release's multiplier is 1e-3 x 2/3
     assert privacy["noise_multipliers"] == [pytest.approx(1e-3 * 2 / 3)]
     assert privacy["delta"] == pytest.approx(1 / 500) and privacy["mode"] == "central-server-clipping"
+    # Flower's wrapper alone would skip the round; the failure is recorded like in any run
+    assert privacy["dropped"] == [{"round": 1, "site": "1", "reason": "site went offline"}]
 
 
 def test_noise_pushing_a_running_variance_below_zero_is_clamped(flower_identity, tmp_path):
