@@ -95,7 +95,8 @@ def earlier_releases(resumed_from: str) -> list[float]:
 
 def adaptive_round_multiplier(update_multiplier: float, clipped_count_stddev: float) -> float:
     """Adaptive clipping also releases a noisy count of clipped updates; the two Gaussian releases
-    together equal one with this multiplier (Andrew et al. 2021, Thm. 1: z^-2 = z_update^-2 + (2 s)^-2)."""
+    together equal one with this multiplier (Andrew et al. 2021, as
+    Flower splits it: z^-2 = z_update^-2 + (2 s)^-2)."""
     if clipped_count_stddev <= 0:
         return update_multiplier
     return (update_multiplier**-2 + (2 * clipped_count_stddev) ** -2) ** -0.5
@@ -107,7 +108,7 @@ def adaptive_round_multiplier(update_multiplier: float, clipped_count_stddev: fl
 def keep_counters(reply: ArrayRecord, sent: ArrayRecord) -> ArrayRecord:
     """The reply with its integer arrays (BatchNorm's num_batches_tracked) put back to the values the
     server sent: they are step counters, not parameters; left in, they would dominate the clipped norm
-    and tell the server how many batches the site trained on."""
+    and carry each site's number of batches past the noise."""
     return ArrayRecord(
         {
             key: sent[key] if np.issubdtype(np.dtype(array.dtype), np.integer) and key in sent else array
