@@ -80,6 +80,7 @@ DISPLAY = {
     "round_seconds": ("round_seconds", 1, 2),
     "bytes_total": ("MB_moved", 1e-6, 1),
     "round_time_vs_fedavg": ("round_time_vs_fedavg", 1, 2),
+    "epsilon": ("epsilon", 1, 2),
 }
 
 
@@ -138,6 +139,8 @@ def collect(runs: dict[tuple[str, int], Path]):
         record.setdefault("wall_seconds", []).append(summary["wall_seconds"])
         record.setdefault("round_seconds", []).append(statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0))
         record.setdefault("bytes_total", []).append(summary["bytes"]["sent_total"] + summary["bytes"]["received_total"])
+        # differential privacy: the epsilon spent (a row without DP has none: n/a)
+        record.setdefault("epsilon", []).append(summary.get("privacy", {}).get("epsilon"))
         per_class.setdefault(name, []).append(summary["final"][PER_CLASS[multilabel]])
     return results, per_class, class_names, multilabel
 
@@ -146,6 +149,8 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
     """results.json / results.md / per_class.png from every completed run so far."""
     results, per_class, class_names, multilabel = collect(runs)
     keys = list(SCALARS[multilabel]) + ["wall_seconds", "round_seconds", "bytes_total"]
+    if any(v is not None for record in results.values() for v in record["epsilon"]):
+        keys.append("epsilon")
     if "fedavg" in results:
         keys.append("round_time_vs_fedavg")
         fedavg_round = statistics.mean(results["fedavg"]["round_seconds"])

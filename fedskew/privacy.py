@@ -95,7 +95,8 @@ def earlier_releases(resumed_from: str) -> list[float]:
 
 def adaptive_round_multiplier(update_multiplier: float, clipped_count_stddev: float) -> float:
     """Adaptive clipping also releases a noisy count of clipped updates; the two Gaussian releases
-    together equal one with this multiplier (Andrew et al. 2021, Thm. 1: z^-2 = z_update^-2 + (2 s)^-2)."""
+    together equal one with this multiplier (Andrew et al. 2021, as
+    Flower splits it: z^-2 = z_update^-2 + (2 s)^-2)."""
     if clipped_count_stddev <= 0:
         return update_multiplier
     return (update_multiplier**-2 + (2 * clipped_count_stddev) ** -2) ** -0.5
@@ -107,7 +108,7 @@ def adaptive_round_multiplier(update_multiplier: float, clipped_count_stddev: fl
 def keep_counters(reply: ArrayRecord, sent: ArrayRecord) -> ArrayRecord:
     """The reply with its integer arrays (BatchNorm's num_batches_tracked) put back to the values the
     server sent: they are step counters, not parameters; left in, they would dominate the clipped norm
-    and tell the server how many batches the site trained on."""
+    and carry each site's number of batches past the noise."""
     return ArrayRecord(
         {
             key: sent[key] if np.issubdtype(np.dtype(array.dtype), np.integer) and key in sent else array
@@ -143,14 +144,20 @@ class _Accounted:
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         replies = list(replies)
+        failed = [r for r in replies if r.has_error()]
+        if failed and hasattr(self.strategy, "_count_in"):
+            # Flower's DP wrappers skip the whole round when a site failed; here the round goes on with
+            # the sites that answered (accounted below with the weaker noise that implies), and the
+            # failures are recorded as in any run.
+            self.strategy._count_in(server_round + self.strategy.round_offset, failed)
+        replies = [r for r in replies if not r.has_error()]
         for reply in replies:
-            if not reply.has_error():
-                reply.content["arrays"] = keep_counters(reply.content["arrays"], self.sent)
+            reply.content["arrays"] = keep_counters(reply.content["arrays"], self.sent)
         clipped_at = self.clipping_norm
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is None:
-            return arrays, metrics  # nothing released (a site failed): nothing spent
-        averaged = sum(not r.has_error() for r in replies)
+            return arrays, metrics  # nothing released: nothing spent
+        averaged = len(replies)
         # Noise std = multiplier x norm / sampled sites; sensitivity of the average = clip / averaged sites.
         # Flower's adaptive wrappers update the norm before noising, hence the two norms.
         update_multiplier = self.noise_multiplier * (self.clipping_norm / clipped_at) * (averaged / self.num_sampled_clients)

@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from dp_accounting import GaussianDpEvent
+from dp_accounting.rdp import RdpAccountant
 from multihot_npz import CLASS_NAMES, write_multihot_npz
 from safetensors.torch import load_file
 
@@ -14,6 +16,8 @@ from fedskew.metrics import multilabel_metrics
 from fedskew.predict import predict
 
 TINY = {"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5}
+# Central DP with server-side clipping: one run covers Flower's DP wrapper around FedNCA-ML's strategy.
+DP = {"aggregation": "unweighted", "dp.mode": "central-server-clipping", "dp.noise-multiplier": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +62,10 @@ def own_multilabel(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fednca_run(superlink, own_multilabel, tmp_path_factory):
-    """One real fednca run (2 sites, 2 rounds) on a multi-hot npz, shared by the tests that inspect or resume it."""
+    """One real fednca run with central DP (2 sites, 2 rounds) on a multi-hot npz, shared by the tests that
+    inspect or resume it."""
     results = tmp_path_factory.mktemp("fednca")
-    outcome = superlink.run_app({**TINY, **own_multilabel, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
+    outcome = superlink.run_app({**TINY, **DP, **own_multilabel, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
     assert outcome.completed, outcome.output[-4000:]
     return _only_run_dir(results)
 
@@ -89,10 +94,29 @@ def test_predict_on_the_test_split_reproduces_the_runs_reported_test_metrics(fed
         assert recomputed[key] == summary["best"][key], key
 
 
+def _accountant_epsilon(releases: int, delta: float) -> float:
+    accountant = RdpAccountant()
+    accountant.compose(GaussianDpEvent(DP["dp.noise-multiplier"]), releases)
+    return accountant.get_epsilon(delta)
+
+
+def test_fednca_with_central_dp_reports_the_accountants_epsilon_every_round(fednca_run):
+    summary = json.loads((fednca_run / "summary.json").read_text())
+    train_size = sum(s["train-size"] for s in json.loads((fednca_run / "partition.json").read_text())["sites"])
+    privacy = summary["privacy"]
+    assert privacy["mode"] == "central-server-clipping" and privacy["delta"] == pytest.approx(1 / train_size)
+    # both sites answered every round: each release had exactly the configured noise multiplier
+    assert privacy["noise_multipliers"] == [1.0, 1.0]
+    rounds = [json.loads(line) for line in (fednca_run / "metrics.jsonl").read_text().splitlines()]
+    for r in rounds:
+        assert r["privacy"]["epsilon"] == pytest.approx(_accountant_epsilon(r["round"], privacy["delta"]) if r["round"] else 0.0)
+    assert privacy["epsilon"] == rounds[-1]["privacy"]["epsilon"] > 0
+
+
 def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_multilabel, fednca_run, tmp_path):
     before = {p.name: p.read_bytes() for p in fednca_run.iterdir()}
     resumed = superlink.run_app(
-        {**TINY, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(fednca_run), "results-dir": str(tmp_path)},
+        {**TINY, **DP, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(fednca_run), "results-dir": str(tmp_path)},
         num_supernodes=2,
     )
     assert resumed.completed, resumed.output[-4000:]
@@ -103,6 +127,8 @@ def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_m
     assert summary["resumed_from"] == {"run": str(fednca_run), "round": 2}
     assert summary["etf_checks"] == [{"round": 3, "sites": 2, "matching": 2}]
     assert json.loads((run / "checkpoint.json").read_text())["round"] == 3
+    # the privacy ledger continues: round 3 is the third release
+    assert summary["privacy"]["epsilon"] == pytest.approx(_accountant_epsilon(3, summary["privacy"]["delta"]))
     assert {p.name: p.read_bytes() for p in fednca_run.iterdir()} == before  # the earlier run is untouched
 
 

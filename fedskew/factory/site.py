@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedskew.config import FactorySection, RunConfig
+from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
 from fedskew.factory.timing import Elapsed, timed
@@ -184,7 +185,7 @@ def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) 
             f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
             flush=True,
         )
-    check_memorization(modules, factory.max_memorization)
+    check_memorization(modules, factory.memorization_limit(deployed=isinstance(site, DeployedSite)))
     return modules, {**training.as_metrics("generator"), **audit.as_metrics("audit"), "modules": len(modules)}
 
 
