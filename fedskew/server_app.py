@@ -46,6 +46,9 @@ def main(grid: Grid, context: Context) -> None:
         recorder.model_card = run_model_card(cfg, task.class_names, task.multilabel, task.image_shape)
         write_partition(recorder, survey, task.class_names)
         num_sites = next(iter(survey.values()))["num-sites"]
+        # Flower simulates 2 sites unless told otherwise, and an app cannot change that: say it in the log.
+        print(f"fedskew: {len(survey)} site(s) take part (in simulation: --federation-config \"num-supernodes=N\"; "
+              "Flower's default is 2)", flush=True)  # fmt: skip
         torch.manual_seed(cfg.seed)
         if cfg.method in ("factory", "factory-p2p"):
             run_factory(grid, cfg, survey, task, test, recorder, device)

@@ -34,6 +34,7 @@ def _only_run_dir(results_dir):
 def test_fedavg_runs_two_rounds_on_three_sites_and_writes_results(superlink, tmp_path):
     outcome = superlink.run_app({**TINY, "method": "fedavg", "results-dir": str(tmp_path)}, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
+    assert "fedskew: 3 site(s) take part" in outcome.output  # the federation size is never silent
     run = _only_run_dir(tmp_path)
     for name in ("config.json", "partition.json", "partition.png", "cooccurrence.png", "metrics.jsonl",
                  "summary.json", "curves.png", "model.safetensors", "report.html"):
