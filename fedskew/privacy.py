@@ -169,7 +169,17 @@ class ServerFixedClipping(_Accounted, DifferentialPrivacyServerSideFixedClipping
     pass
 
 
-class ServerAdaptiveClipping(_Accounted, DifferentialPrivacyServerSideAdaptiveClipping):
+class _TargetUnclippedShare:
+    """Flower 1.42's adaptive wrappers count the *clipped* updates but apply Andrew et al.'s rule, which
+    is written for the share left *unclipped*: as shipped, a round in which every update was clipped
+    shrinks the norm further (1.0 -> 0.905 here), so the norm runs away from its target. The rule is
+    given the unclipped share, and dp.target-quantile is that share."""
+
+    def _geometric_update(self, clipped_fraction: float) -> None:
+        super()._geometric_update(1.0 - clipped_fraction)
+
+
+class ServerAdaptiveClipping(_Accounted, _TargetUnclippedShare, DifferentialPrivacyServerSideAdaptiveClipping):
     pass
 
 
@@ -177,7 +187,7 @@ class ClientFixedClipping(_Accounted, DifferentialPrivacyClientSideFixedClipping
     pass
 
 
-class ClientAdaptiveClipping(_Accounted, DifferentialPrivacyClientSideAdaptiveClipping):
+class ClientAdaptiveClipping(_Accounted, _TargetUnclippedShare, DifferentialPrivacyClientSideAdaptiveClipping):
     pass
 
 

@@ -96,7 +96,8 @@ def _server_round(cfg: RunConfig, num_sites: int, sent: dict, replies: list[dict
     answers = [Message(RecordDict({"arrays": record(r), "metrics": metrics}), reply_to=outgoing) for r in replies]
     failures = [Message(Error(code=0, reason="site went offline"), reply_to=outgoing) for _ in range(failed)]
     arrays, _ = strategy.aggregate_train(1, answers + failures)
-    return arrays, {**recorder.extra["privacy"], "dropped": recorder.dropped}
+    # Flower samples the sites at random: the failures answer the first message, to its site
+    return arrays, {**recorder.extra["privacy"], "dropped": recorder.dropped, "asked": str(outgoing.metadata.dst_node_id)}
 
 
 def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_dropout(flower_identity, tmp_path):
@@ -115,7 +116,26 @@ def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_drop
     assert privacy["noise_multipliers"] == [pytest.approx(1e-3 * 2 / 3)]
     assert privacy["delta"] == pytest.approx(1 / 500) and privacy["mode"] == "central-server-clipping"
     # Flower's wrapper alone would skip the round; the failure is recorded like in any run
-    assert privacy["dropped"] == [{"round": 1, "site": "1", "reason": "site went offline"}]
+    assert privacy["dropped"] == [{"round": 1, "site": privacy["asked"], "reason": "site went offline"}]
+
+
+@pytest.mark.parametrize("update_size, factor", [(5.0, math.exp(0.2 * 0.5)), (0.01, math.exp(-0.2 * 0.5))])
+def test_adaptive_clipping_moves_the_norm_towards_the_target_share(flower_identity, tmp_path, update_size, factor):
+    # every update clipped (norm 5 x sqrt(10) > 1): the norm must grow; none clipped: it must shrink.
+    # Rule: C <- C exp(-lr (unclipped share - target)), lr 0.2, target 0.5.
+    np.random.seed(3)
+    cfg = RunConfig.from_run_config(
+        {**DP_FEDAVG, "dp.clipping": "adaptive", "dp.noise-multiplier": 0.01, "dp.clipped-count-stddev": 0.01}
+    )
+    recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path)
+    strategy = private_strategy(cfg, FedAvg(weighted_by_key="unit-weight"), 4, 500, recorder)
+    sent = record({"w": np.zeros(10, np.float32)})
+    (outgoing, *_) = strategy.configure_train(1, sent, ConfigRecord(), SitesOnline(4))
+    metrics = MetricRecord({"unit-weight": 1})
+    trained = record({"w": np.full(10, update_size, np.float32)})
+    strategy.aggregate_train(1, [Message(RecordDict({"arrays": trained, "metrics": metrics}), reply_to=outgoing) for _ in range(4)])
+    # the count's noise (std 0.01 over 4 sites) moves the exponent by 0.2 x 0.0025 per sd: 6 sd
+    assert strategy.clipping_norm == pytest.approx(factor, rel=0.2 * 6 * 0.01 / 4)
 
 
 def test_noise_pushing_a_running_variance_below_zero_is_clamped(flower_identity, tmp_path):
