@@ -490,7 +490,8 @@ def test_an_official_layout_file_at_64_or_224_px_loads_with_its_info(name, size,
     assert dataset.image_shape == (channels, size, size) and len(dataset.train_labels) == 8
     assert dataset.multilabel == (label_width == 14) and dataset.num_classes == k
     assert dataset.class_names == tuple(MEDMNIST_INFO[name]["label"][str(c)] for c in range(k))
-    np.testing.assert_array_equal(dataset.test_images[0, 0], arrays["test_images"][0][..., 0] / 255 if channels == 3 else arrays["test_images"][0] / 255)
+    first = arrays["test_images"][0].astype(np.float32) / 255  # (H, W) or (H, W, 3) as stored
+    np.testing.assert_array_equal(dataset.test_images[0, 0], first[..., 0] if channels == 3 else first)
 
 
 def test_unknown_sources_list_the_valid_choices(tmp_path):
