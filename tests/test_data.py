@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -23,7 +26,14 @@ from fedskew.data.partition import (
     split_site_validation,
 )
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
-from fedskew.data.sources import DataSourceError, ImageDataset, load_source, medmnist_file
+from fedskew.data.sources import (
+    MEDMNIST_2D_NAMES,
+    MEDMNIST_SIZES,
+    DataSourceError,
+    ImageDataset,
+    load_source,
+    medmnist_file,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -416,10 +426,29 @@ def test_medmnist_wrong_md5_is_rejected_and_the_official_checksum_accepted(tmp_p
     assert dataset.image_shape == (1, 10, 10) and dataset.name == "medmnist:breastmnist"
 
 
-def test_medmnist_downloads_only_when_allowed_and_verifies_the_download(tmp_path, monkeypatch):
-    published = write_npz(tmp_path / "published.npz", train_labels=(np.arange(12) % 2)[:, None],
+@pytest.fixture
+def http_folder(tmp_path):
+    """A local HTTP server publishing tmp_path/published (the download goes through real HTTP)."""
+    folder = tmp_path / "published"
+    folder.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_medmnist_downloads_only_when_allowed_and_verifies_the_download(tmp_path, monkeypatch, http_folder):
+    folder, base_url = http_folder
+    published = write_npz(folder / "pneumoniamnist.npz", train_labels=(np.arange(12) % 2)[:, None],
                           val_labels=np.array([[0], [1], [1], [0]]), test_labels=(np.arange(6) % 2)[:, None])
-    monkeypatch.setitem(MEDMNIST_INFO["pneumoniamnist"], "url", published.as_uri())
+    monkeypatch.setitem(MEDMNIST_INFO["pneumoniamnist"], "url", f"{base_url}/pneumoniamnist.npz")
     monkeypatch.setitem(MEDMNIST_INFO["pneumoniamnist"], "MD5", hashlib.md5(published.read_bytes()).hexdigest())
     root = tmp_path / "root"
     with pytest.raises(DataSourceError, match="not found"):
@@ -427,9 +456,42 @@ def test_medmnist_downloads_only_when_allowed_and_verifies_the_download(tmp_path
     dataset = load_source("medmnist:pneumoniamnist", data_root=root, allow_download=True)
     assert (root / "pneumoniamnist.npz").read_bytes() == published.read_bytes()
     assert dataset.num_classes == 2 and dataset.train_images.shape == (16, 1, 5, 5)
-    monkeypatch.setitem(MEDMNIST_INFO["pneumoniamnist"], "url", (tmp_path / "gone.npz").as_uri())
+    monkeypatch.setitem(MEDMNIST_INFO["pneumoniamnist"], "url", f"{base_url}/gone.npz")
     with pytest.raises(DataSourceError, match="downloading .*gone.npz to .* failed"):
         load_source("medmnist:pneumoniamnist", data_root=tmp_path / "other", allow_download=True)
+
+
+@pytest.mark.parametrize("size", MEDMNIST_SIZES)
+def test_every_2d_medmnist_dataset_has_its_file_url_and_checksum_at_every_size(size, tmp_path):
+    for name in MEDMNIST_2D_NAMES:
+        path = medmnist_file(name, tmp_path, size)
+        suffix = path.stem.removeprefix(name)
+        assert path.name == (f"{name}.npz" if size == 28 else f"{name}_{size}.npz")
+        assert MEDMNIST_INFO[name][f"url{suffix}"].startswith("https://") and len(MEDMNIST_INFO[name][f"MD5{suffix}"]) == 32
+
+
+@pytest.mark.parametrize("name, size, channels, label_width", [("pneumoniamnist", 64, 1, 1), ("chestmnist", 224, 1, 14),
+                                                                ("pathmnist", 224, 3, 1)])  # fmt: skip
+def test_an_official_layout_file_at_64_or_224_px_loads_with_its_info(name, size, channels, label_width, tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    shape = (size, size) if channels == 1 else (size, size, 3)
+    k = len(MEDMNIST_INFO[name]["label"])
+
+    def labels(n):
+        return (rng.random((n, 14)) < 0.2).astype(np.uint8) if label_width == 14 else rng.integers(0, k, (n, 1), dtype=np.uint8)
+
+    arrays = {f"{split}_{part}": rng.integers(0, 256, (n, *shape), dtype=np.uint8) if part == "images" else labels(n)
+              for split, n in (("train", 6), ("val", 2), ("test", 3)) for part in ("images", "labels")}  # fmt: skip
+    path = medmnist_file(name, tmp_path, size)
+    np.savez(path, **arrays)
+    # The file is synthetic: its own MD5 stands in for the published one.
+    monkeypatch.setitem(MEDMNIST_INFO[name], f"MD5_{size}", hashlib.md5(path.read_bytes()).hexdigest())
+    dataset = load_source(f"medmnist:{name}", data_root=tmp_path, image_size=size)
+    assert dataset.image_shape == (channels, size, size) and len(dataset.train_labels) == 8
+    assert dataset.multilabel == (label_width == 14) and dataset.num_classes == k
+    assert dataset.class_names == tuple(MEDMNIST_INFO[name]["label"][str(c)] for c in range(k))
+    first = arrays["test_images"][0].astype(np.float32) / 255  # (H, W) or (H, W, 3) as stored
+    np.testing.assert_array_equal(dataset.test_images[0, 0], first[..., 0] if channels == 3 else first)
 
 
 def test_unknown_sources_list_the_valid_choices(tmp_path):

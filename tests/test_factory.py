@@ -13,7 +13,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedskew.config import RunConfig
-from fedskew.data.sites import simulated_site
+from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, random_shift, stratified_holdout
 from fedskew.factory.library import (
     GeneratorModule,
@@ -33,6 +33,7 @@ from fedskew.factory.library import (
 from fedskew.factory.site import MemorizationRefusal, check_memorization, generator_config, memorization_share
 from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
+from fedskew.predict import predict
 from fedskew.strategies.factory import decode_modules, encode_modules
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum
@@ -381,8 +382,16 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     assert "Synthetic samples" in report and all(m["module-id"] in report for m in manifest["modules"])
 
 
-def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run):
+def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_path):
     summary = json.loads((p2p_run / "summary.json").read_text())
+    # The run's model file is the Product of Experts: predicting the test split reproduces its accuracy.
+    test = load_task_dataset(RunConfig.from_run_config({**E2E, "method": "factory-p2p"}))
+    grey = test.test_images[:, 0]
+    np.savez(tmp_path / "test.npz", train_images=grey[:2], train_labels=test.test_labels[:2, None], val_images=grey[:1],
+             val_labels=test.test_labels[:1, None], test_images=grey, test_labels=test.test_labels[:, None])  # fmt: skip
+    report = predict(p2p_run, tmp_path / "test.npz", tmp_path / "predictions.csv")
+    assert report["model"].endswith("model-selected.safetensors") and summary["best_round"] == 2
+    assert report["metrics"]["accuracy"] == summary["best"]["accuracy"] == summary["p2p"]["poe_test"]["accuracy"]
     assert summary["status"] == "completed" and summary["rounds_completed"] == 2
     assert [e["site-id"] for e in summary["p2p"]["experts"]] == [0, 1, 2]
     assert all(0 <= e["test"]["accuracy"] <= 1 for e in summary["p2p"]["experts"])

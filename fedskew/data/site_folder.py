@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from fedskew.config import RunConfig, check_label_kind
+from fedskew.data.site_cache import cached_arrays, site_cache_dir
 from fedskew.data.sites import SiteData, load_partition, load_task_dataset, simulated_site, site_validation_split
 from fedskew.data.sources import (
     DataSourceError,
@@ -343,8 +344,23 @@ def deployed_site(cfg: RunConfig, node_config: Mapping) -> DeployedSite:
     official = _official_medmnist_file(cfg, data_dir)
     if official is not None and not any((data_dir / name).is_file() for name in (LABELS_FILE, SITE_NPZ)):
         return _official_medmnist_site(cfg, data_dir, node_config, site_id, num_sites)
-    data = read_labelled_folder(data_dir, multilabel=declared_multilabel(cfg), num_classes=cfg.num_classes, image_size=cfg.image_size)
+    data = cached_folder(cfg, data_dir, node_config)
     return _split_site(cfg, data.images, data.labels, data.class_names, site_id, num_sites, data_dir)
+
+
+def cached_folder(cfg: RunConfig, data_dir: Path, node_config: Mapping) -> LabelledImages:
+    """read_labelled_folder through the site's cache (each message runs in a fresh process)."""
+
+    def read() -> dict[str, np.ndarray]:
+        data = read_labelled_folder(data_dir, multilabel=declared_multilabel(cfg), num_classes=cfg.num_classes, image_size=cfg.image_size)
+        return {"images": data.images, "labels": data.labels, "class_names": np.array(data.class_names)}
+
+    images_dir = data_dir / IMAGES_DIR
+    files = [data_dir / LABELS_FILE, data_dir / CLASSES_FILE, data_dir / SITE_NPZ]
+    files += [p for p in images_dir.rglob("*") if p.is_file()] if images_dir.is_dir() else []
+    settings = {"labels": cfg.labels, "num-classes": cfg.num_classes, "image-size": cfg.image_size}
+    arrays = cached_arrays(data_dir, files, site_cache_dir(data_dir, node_config), settings, read)
+    return LabelledImages(arrays["images"], arrays["labels"], tuple(str(n) for n in arrays["class_names"]))
 
 
 def declared_multilabel(cfg: RunConfig) -> bool | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from medmnist import INFO as MEDMNIST_INFO
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torchvision.datasets import CIFAR10
+from torchvision.datasets.utils import download_url
 
 from fedskew.config import GENERATED_DATASETS
 
@@ -206,13 +206,13 @@ def _load_medmnist(name: str, data_root: Path, image_size: int, allow_download: 
 
 
 def _download(url: str, path: Path) -> None:
+    """torchvision's download utility (a progress bar, redirects followed) into a partial file, then renamed;
+    the caller checks the MD5 with its own message."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # parallel site processes may download at once
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, partial.open("wb") as out:
-            while chunk := response.read(1 << 20):
-                out.write(chunk)
-    except (OSError, ValueError) as err:  # URLError and timeouts are OSErrors; a malformed URL is a ValueError
+        download_url(url, str(path.parent), partial.name)
+    except (OSError, ValueError, RuntimeError) as err:  # URLError is an OSError; a malformed URL a ValueError
         partial.unlink(missing_ok=True)
         raise DataSourceError(f"downloading {url} to {path} failed ({err}): place the file there by hand") from err
     partial.replace(path)
