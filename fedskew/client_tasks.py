@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -96,13 +97,26 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
     return optimizer, scheduler, loss_fn
 
 
+def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
+    """FedProx's mu, which Flower's FedProx sends with every training message; other methods train without
+    a proximal term. A fedprox message without it is an error, never a silent mu of 0."""
+    if cfg.method != "fedprox":
+        return 0.0
+    if "proximal-mu" not in train_config:
+        raise ValueError(
+            "method fedprox, but the server's training message carries no 'proximal-mu' (Flower's FedProx sends "
+            "it); the server does not run FedProx: check that the server and this site run the same run config"
+        )
+    return float(train_config["proximal-mu"])
+
+
 def train_site(
     cfg: RunConfig,
     site: SiteData,
     state: dict[str, torch.Tensor],
     *,
     server_round: int,
-    proximal_mu: float = 0.0,
+    proximal_mu: float,
     etf: np.ndarray | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """One round of local training from the global weights; returns new weights and metrics."""
@@ -130,6 +144,8 @@ def train_site(
         "num-examples": stats["num_examples"],
         "unit-weight": 1,
     }
+    if cfg.method == "fedprox":
+        metrics["proximal-mu"] = proximal_mu  # the mu this site trained with, recorded by the server
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.
         metrics["etf-crc32"] = etf_fingerprint(etf)
