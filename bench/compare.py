@@ -63,7 +63,7 @@ def plain_pytorch_round_seconds(cfg: RunConfig, num_sites: int) -> float:
     model = build_model(cfg, sites[0].num_classes, sites[0].train_images.shape[1:])
     state = model.state_dict()
     start = time.perf_counter()
-    updates = [train_site(cfg, site, state, server_round=1) for site in sites]
+    updates = [train_site(cfg, site, state, server_round=1, proximal_mu=0.0) for site in sites]
     weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
     averaged = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
                 for k in state}

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for method, (cfg, site, state, etf) in jobs.items():
             start = time.perf_counter()
-            train_site(cfg, site, state, server_round=2, etf=etf)
+            train_site(cfg, site, state, server_round=2, proximal_mu=cfg.proximal_mu if method == "fedprox" else 0.0, etf=etf)
             seconds[method].append(time.perf_counter() - start)
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{m} {s[-1]:.2f}s" for m, s in seconds.items()), flush=True)
 

@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
-from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_site
+from fedskew.client_tasks import evaluate_site, load_site, received_proximal_mu, site_survey, train_site
 from fedskew.config import RunConfig
 from fedskew.factory.site import MemorizationRefusal
 from fedskew.privacy import privacy_mod
@@ -51,7 +51,7 @@ def train(msg: Message, context: Context) -> Message:
         site,
         msg.content["arrays"].to_torch_state_dict(),
         server_round=int(config["server-round"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        proximal_mu=received_proximal_mu(cfg, config),
         etf=received_etf_array(msg),
         site_state=SiteState(context),
         server_control=received_control(msg),

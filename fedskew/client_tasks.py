@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -164,13 +164,26 @@ def drift_correction(
     return hook, finish, saved is not None
 
 
+def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
+    """FedProx's mu, which Flower's FedProx sends with every training message; other methods train without
+    a proximal term. A fedprox message without it is an error, never a silent mu of 0."""
+    if cfg.method != "fedprox":
+        return 0.0
+    if "proximal-mu" not in train_config:
+        raise ValueError(
+            "method fedprox, but the server's training message carries no 'proximal-mu' (Flower's FedProx sends "
+            "it); the server does not run FedProx: check that the server and this site run the same run config"
+        )
+    return float(train_config["proximal-mu"])
+
+
 def train_site(
     cfg: RunConfig,
     site: SiteData,
     state: dict[str, torch.Tensor],
     *,
     server_round: int,
-    proximal_mu: float = 0.0,
+    proximal_mu: float,
     etf: np.ndarray | None = None,
     site_state: TensorStore | None = None,
     server_control: dict[str, torch.Tensor] | None = None,
@@ -207,6 +220,8 @@ def train_site(
     if cfg.method in PLAIN_SGD_METHODS:
         # Averaged by the server: the share of sites that found their state from the previous round.
         metrics["site-state-restored"] = float(restored)
+    if cfg.method == "fedprox":
+        metrics["proximal-mu"] = proximal_mu  # the mu this site trained with, recorded by the server
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.
         metrics["etf-crc32"] = etf_fingerprint(etf)

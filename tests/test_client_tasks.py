@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.client_tasks import evaluate_site, received_etf, site_survey, train_site
+from fedskew.client_tasks import evaluate_site, received_etf, received_proximal_mu, site_survey, train_site
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
 from fedskew.models.build import build_model, server_etf
@@ -35,7 +35,7 @@ def test_fednca_site_round_trains_reports_etf_fingerprint_and_leaves_etf_out_of_
     etf = server_etf(CFG, site.num_classes, site.train_images.shape[1:])
     torch.manual_seed(0)
     state = build_model(CFG, site.num_classes, site.train_images.shape[1:], etf=etf).state_dict()
-    new_state, metrics = train_site(CFG, site, state, server_round=1, etf=etf.numpy())
+    new_state, metrics = train_site(CFG, site, state, server_round=1, proximal_mu=0.0, etf=etf.numpy())
     assert set(new_state) == set(state)  # the ETF (non-persistent buffers) never travels back
     assert not any("prototypes" in k or "queries" in k for k in new_state)
     assert metrics["etf-crc32"] == etf_fingerprint(etf)
@@ -51,3 +51,11 @@ def test_site_survey_reports_counts_only():
     assert survey["site-id"] == 3 and survey["num-sites"] == 10
     assert sum(np.array(survey["label-counts"]) == 0) >= CFG.missing_classes
     assert len(survey["cooccurrence"]) == site.num_classes**2
+
+
+def test_fedprox_takes_mu_from_the_servers_message_and_a_missing_mu_is_an_error():
+    fedprox = RunConfig.from_run_config({"method": "fedprox", "mosaic-grid": 0, "partition": "iid"})
+    assert received_proximal_mu(fedprox, {"proximal-mu": 0.25, "server-round": 1}) == 0.25
+    with pytest.raises(ValueError, match="carries no 'proximal-mu'"):
+        received_proximal_mu(fedprox, {"server-round": 1})
+    assert received_proximal_mu(CFG, {"server-round": 1}) == 0.0  # fednca: no proximal term

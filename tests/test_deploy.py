@@ -8,6 +8,7 @@ is stopped by its process group at the end of the test that started it. Also: th
 and only use flags the installed Flower accepts."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import flwr
 import httpx
+import numpy as np
 import pytest
 import yaml
 from cryptography import x509
@@ -26,6 +28,8 @@ from multihot_npz import write_multihot_npz
 
 from fedskew.app_signing import AppIndex, publish_app
 from fedskew.cli import main as cli_main
+from fedskew.config import RunConfig
+from fedskew.data.site_folder import load_test_set
 from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connection_toml, node_config_arg, offline_env
 from fedskew.launch import APP_DIR, free_port
 
@@ -221,26 +225,41 @@ def test_a_fednca_run_over_tls_completes_without_a_killed_site_and_a_site_with_b
     assert outcome.listing["network-traffic"]["total-bytes"] > 0
 
 
-def test_a_tiny_factory_run_over_tls_uploads_every_sites_generators(link, pki, factory_sites, tmp_path):
+def test_a_tiny_factory_run_over_tls_keeps_every_honest_sites_generators_and_rejects_a_hostile_site(link, pki, factory_sites, tmp_path):
     results = tmp_path / "results"
+    # Site 3 (site-0's images, its own site-id) runs tests/hostile_site: it uploads a forged generator
+    # claiming site 0's ids with an oversized config.
+    hostile_env = {**THREADS, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "hostile_site"), os.environ.get("PYTHONPATH", "")])}
+    hostile = SuperNode(link, tmp_path / "node-hostile", {"data-dir": str(factory_sites / "site-0"), "site-id": 3, "num-sites": 4},
+                        pki / "keys" / "site-3", env=hostile_env)  # fmt: skip
     with running_sites(link, pki, tmp_path, [factory_sites / f"site-{k}" for k in range(3)]) as nodes:
-        run_id = link.submit({**TINY_FACTORY, "min-available-sites": 3, "round-timeout": 300.0,
-                              "results-dir": str(results), "test-data": str(factory_sites / "server-test")})  # fmt: skip
-        outcome = link.wait(run_id, timeout=400)
+        hostile.start()
+        try:
+            hostile.wait_connected()
+            run_id = link.submit({**TINY_FACTORY, "min-available-sites": 4, "round-timeout": 300.0,
+                                  "results-dir": str(results), "test-data": str(factory_sites / "server-test")})  # fmt: skip
+            outcome = link.wait(run_id, timeout=400)
+        finally:
+            hostile.stop()
         node_ids = {str(node.node_id) for node in nodes}
     assert outcome.completed, outcome.output[-4000:]
     run = _only_run_dir(results)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["dropped"] == []
     factory = summary["factory"]
-    assert factory["rejected"] == [] and factory["missing_classes"] == []
+    (rejected,) = factory["rejected"]
+    assert rejected["node"] == str(hostile.node_id) and rejected["site-id"] == 3
+    assert "claims site-id 0, but its node answered the survey as site 3" in rejected["reason"]
+    assert factory["missing_classes"] == []
     manifest = json.loads((run / "library" / "manifest.json").read_text())
     modules = sorted((m["site-id"], m["classes"][0]) for m in manifest["modules"])
     assert sorted({site for site, _ in modules}) == [0, 1, 2] and len(modules) == 12, modules
     assert all((run / "library" / f"{m['module-id']}.safetensors").is_file() for m in manifest["modules"])
-    # Every site uploaded: the bytes the SuperLink received from each are at least its generators' size.
-    assert set(summary["bytes"]["received_per_site"]) == node_ids
-    assert 0.0 <= factory["server_test"]["accuracy"] <= 1.0
+    # Every honest site uploaded: the bytes the SuperLink received from each are at least its generators' size.
+    assert set(summary["bytes"]["received_per_site"]) == node_ids | {str(hostile.node_id)}
+    # accuracy is the test split's class shares weighting the per-class recalls (two computations agree)
+    counts = np.bincount(load_test_set(RunConfig.from_run_config(TINY_FACTORY), factory_sites / "server-test").test_labels, minlength=10)
+    assert factory["server_test"]["accuracy"] == pytest.approx(np.dot(factory["server_test"]["per_class_recall"], counts) / counts.sum())
     assert outcome.listing["network-traffic"]["total-bytes"] > sum(
         (run / "library" / f"{m['module-id']}.safetensors").stat().st_size for m in manifest["modules"]
     )

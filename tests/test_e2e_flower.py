@@ -3,6 +3,7 @@ its own FLWR_HOME, `flwr run`, and the run judged by `flwr ls` and the results i
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -131,6 +132,34 @@ def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_m
     # the privacy ledger continues: round 3 is the third release
     assert summary["privacy"]["epsilon"] == pytest.approx(_accountant_epsilon(3, summary["privacy"]["delta"]))
     assert {p.name: p.read_bytes() for p in fednca_run.iterdir()} == before  # the earlier run is untouched
+
+
+def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_records_why(superlink, fednca_run, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(fednca_run, damaged)
+    (damaged / "checkpoint.json").write_text('{"round": "abc"}')
+    outcome = superlink.run_app(
+        {**TINY, "method": "fednca", "num-server-rounds": 3, "resume-from": str(damaged), "results-dir": str(tmp_path / "results")},
+        num_supernodes=2,
+    )
+    assert not outcome.completed
+    summary = json.loads((_only_run_dir(tmp_path / "results") / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 0
+    assert summary["reason"] == f"ValueError: resume-from: {damaged / 'checkpoint.json'} must hold the completed round as an int >= 1, got 'abc'"
+
+
+def test_fedprox_with_federated_evaluation_sends_mu_to_every_site_and_records_their_validation(superlink, tmp_path):
+    outcome = superlink.run_app({**TINY, "method": "fedprox", "proximal-mu": 0.25, "test-data": "federated",
+                                 "results-dir": str(tmp_path)}, num_supernodes=2)  # fmt: skip
+    assert outcome.completed, outcome.output[-4000:]
+    run = _only_run_dir(tmp_path)
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[0]["test"] == {}
+    for entry in rounds[1:]:
+        # every site trained with the server's mu (the mean of the sites' reports is that mu)
+        assert entry["train"]["proximal-mu"] == pytest.approx(0.25) and entry["test"] == {}
+        assert set(entry["val"]) >= {"val_f1_macro", "val_f1_micro"}
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
 def test_a_bad_config_value_fails_the_run_with_the_clear_message(superlink, tmp_path):

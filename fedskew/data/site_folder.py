@@ -230,7 +230,8 @@ def _stack_images(files: list[tuple[int, Path]], image_size: int, labels_path: P
         if image.shape[0] != first.shape[0] or (image_size == 0 and image.shape != first.shape):
             raise SiteFolderError(
                 f"{path} (line {line} of {labels_path}) has shape {image.shape} (C, H, W) but the image on line "
-                f"{first_line} has {first.shape}; give images of one size and colour mode, or set image-size to resize"
+                f"{first_line} has {first.shape}; give images of one colour mode (grey or RGB) and one size "
+                "(image-size resizes, it does not convert colour)"
             )
     if image_size > 0:
         return np.concatenate([resize_images(image[None], image_size) for image in images])

@@ -3,8 +3,10 @@ class-balanced synthetic data drawn from it.
 
 A module is one uploaded generator: an unconditional EDM2 model of one (site, class), or one
 class-conditional model of a site. Uploads are untrusted input, so `validate_upload` checks every
-declared fact against the arrays (config vs shapes, finite values, checksum, class ids in range)
-before anything is built from them, and rejects the whole upload with the first reason found.
+declared fact against what the server derived for that site (`PlannedModule`: id, classes, image
+counts, config) and the weights against the config (names, shapes, float32, finite values, checksum)
+before anything is built from them, and rejects the whole upload with the first reason found; a
+relayed or stored library is checked the same way by `validate_modules` (bounded types and ranges).
 
 On disk (`library/`): `<module-id>.safetensors` + `<module-id>.json` per module (generator_io's
 format) and `manifest.json` listing the modules with their metadata. The synthetic set is stored

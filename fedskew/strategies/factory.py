@@ -5,7 +5,11 @@ Round 1: every site trains and audits its generators and replies with one ArrayR
 (its weights packed into one array, see `packed_weights`) plus a JSON manifest of their metadata; the
 server validates each upload (a bad one is rejected with its reason and the run goes on with the rest),
 writes library/, samples a class-balanced synthetic set, trains the classifier on it and evaluates it
-on the real test split.
+on the real test split. Every reply is bound to the node that sent it: its site id and label counts
+come from that node's own survey reply (a site id claimed by two nodes is refused), and the modules it
+may upload, their classes, image counts and configs follow from those and the run config, so a site
+contributes only weights, checksums and its memorisation audit. Sizes are bounded before anything is
+decoded: the manifest by characters and nesting, each payload by the run's model size.
 Round 2 (P2P): Flower has no site-to-site channel, so the SuperLink relays the library to every site;
 each site trains its own expert on real + synthetic images and returns it; the server evaluates the
 Product of Experts and each expert alone.
@@ -79,7 +83,7 @@ class TaskLike(Protocol):
 PACKED_KEY = "safetensors"
 # A packed payload is its tensors' bytes plus a JSON header of ~100 bytes per tensor: 1 MiB is ample.
 HEADER_ALLOWANCE = 1 << 20
-# The module metadata nests 4 deep (manifest, modules, module, config lists); anything deeper is not ours.
+# The module metadata nests 6 deep (manifest, modules, module, config, its lists, their numbers).
 MANIFEST_DEPTH = 8
 # One module's metadata is under 1 KB of JSON.
 MANIFEST_CHARS_PER_MODULE = 16_384
