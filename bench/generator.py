@@ -7,6 +7,9 @@ Per digit it reports
   (2) the Frechet distance in that classifier's 10-d decision-function space between samples and the real
       held-out images of the digit, next to real-train vs real-held-out (the floor a perfect generator
       would reach with these set sizes);
+  (2b) FD and KID in the pooled penultimate features of a small CNN trained on the real training digits, and
+      with --inception-weights also in Inception-v3 features (FID/KID), each next to its real-vs-real floor
+      (a real training subset of the same size against the same held-out images; fedskew.fidelity);
   (3) memorisation: the share of samples whose nearest training image is closer than 1/3 of the distance
       to the nearest held-out image (pixel space, L2);
   (4) training and sampling throughput; (5) peak resident memory of the process; (6) a sample grid PNG.
@@ -25,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.linalg import sqrtm
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 
+from fedskew.fidelity import class_fidelity, classifier_features, frechet_distance, inception_features
 from fedskew.models.edm2 import CPU_PRESET, GPU_PRESET_32PX, build_generator, count_parameters, sample, train_generator
 
 MEMORISATION_RATIO = 1 / 3
@@ -42,14 +45,6 @@ def load_digit_split(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[:, None]
     return train_test_split(images, digits.target, test_size=0.2, stratify=digits.target, random_state=seed)
-
-
-def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """||mu_a - mu_b||^2 + Tr(S_a + S_b - 2 (S_a S_b)^(1/2)) between two feature sets (rows = samples)."""
-    mu_a, mu_b = a.mean(axis=0), b.mean(axis=0)
-    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-    cross = sqrtm(cov_a @ cov_b).real
-    return float(np.sum((mu_a - mu_b) ** 2) + np.trace(cov_a + cov_b - 2 * cross))
 
 
 def nearest_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:
@@ -79,7 +74,8 @@ def save_grid(samples: np.ndarray, real: np.ndarray, digit: int, path: Path) -> 
     plt.close(figure)
 
 
-def benchmark_digit(digit: int, steps: int, n_samples: int, seed: int, split, classifier, out: Path) -> dict:
+def benchmark_digit(digit: int, steps: int, n_samples: int, seed: int, split, classifier, feature_spaces: dict,
+                    out: Path) -> dict:
     x_train, x_test, y_train, y_test = split
     class_train, class_test = x_train[y_train == digit], x_test[y_test == digit]
     config = dataclasses.replace(CPU_PRESET, total_images=steps * CPU_PRESET.batch_size, seed=seed)
@@ -115,6 +111,8 @@ def benchmark_digit(digit: int, steps: int, n_samples: int, seed: int, split, cl
         "class_share_real_heldout": share(class_test),
         "frechet_samples_vs_heldout": frechet_distance(features(samples), features(class_test)),
         "frechet_train_vs_heldout": frechet_distance(features(class_train), features(class_test)),
+        **{f"{space}_{key}": value for space, feature_fn in feature_spaces.items()
+           for key, value in class_fidelity(feature_fn, samples, class_train, class_test, seed).items()},
         "memorised_share": float((ratio < MEMORISATION_RATIO).mean()),
         "median_nearest_ratio": float(np.median(ratio)),
         "final_loss_mean_last_10pct": float(np.mean(stats.loss_curve[-max(len(stats.loss_curve) // 10, 1):])),
@@ -125,14 +123,16 @@ def benchmark_digit(digit: int, steps: int, n_samples: int, seed: int, split, cl
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| digit | train imgs | steps | class share (samples) | class share (real held-out) | FD samples vs held-out"
-        " | FD train vs held-out (floor) | memorised | median NN ratio | train s | train img/s | sample img/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | FD train vs held-out (floor) | CNN FD (floor) | CNN KID (floor) | memorised | median NN ratio | train s"
+        " | train img/s | sample img/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['digit']} | {r['train_images']} | {r['steps']} | {100 * r['class_share_samples']:.1f}% "
             f"| {100 * r['class_share_real_heldout']:.1f}% | {r['frechet_samples_vs_heldout']:.2f} "
-            f"| {r['frechet_train_vs_heldout']:.2f} | {100 * r['memorised_share']:.1f}% "
+            f"| {r['frechet_train_vs_heldout']:.2f} | {r['classifier_fd']:.3g} ({r['classifier_fd_floor']:.3g}) "
+            f"| {r['classifier_kid']:.3g} ({r['classifier_kid_floor']:.3g}) | {100 * r['memorised_share']:.1f}% "
             f"| {r['median_nearest_ratio']:.2f} | {r['train_seconds']:.0f} | {r['train_images_per_s']:.0f} "
             f"| {r['sample_images_per_s']:.1f} |"
         )
@@ -154,6 +154,9 @@ the training images of one digit class (seeded stratified 80/20 split of sklearn
   (held-out accuracy {100 * results['classifier_heldout_accuracy']:.1f}%) assigns to the digit; target >= 90%.
 - FD: Frechet distance in that classifier's 10-d decision-function space against the real held-out images of
   the digit; "floor" is the same distance for the real training images, which a perfect generator would match.
+- CNN FD / KID: Frechet distance and KID in the pooled penultimate features of a small CNN trained on the real
+  training digits (10 epochs), samples vs the held-out images of the digit; in brackets the floor, a real
+  training subset of the same size against the same held-out images.
 - memorised: share of samples whose nearest training image (pixel L2) is closer than 1/3 of the distance to
   the nearest held-out image; median NN ratio = median of nearest-train / nearest-held-out distance.
 - peak memory (ru_maxrss, whole process): {results['peak_rss_mb']:.0f} MB; torch threads: {results['torch_threads']}.
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 on a shared machine)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--inception-weights", default="", help="local FID Inception-v3 weights file: adds Inception FID/KID")
     args = parser.parse_args(argv)
     if any(not 0 <= d <= 9 for d in args.digit):
         parser.error(f"--digit must be in 0-9, got {args.digit}")
@@ -185,7 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     heldout_accuracy = float(classifier.score(x_test.reshape(len(x_test), -1), y_test))
     print(f"logistic regression on real digits: held-out accuracy {100 * heldout_accuracy:.1f}%", flush=True)
 
-    rows = [benchmark_digit(d, args.steps, args.samples, args.seed, split, classifier, args.out) for d in args.digit]
+    feature_spaces = {"classifier": classifier_features(x_train, y_train, 10, args.seed, torch.device("cpu"))}
+    if args.inception_weights:
+        feature_spaces["inception"] = inception_features(args.inception_weights, torch.device("cpu"))
+    rows = [benchmark_digit(d, args.steps, args.samples, args.seed, split, classifier, feature_spaces, args.out)
+            for d in args.digit]
     command = "python -m bench.generator " + " ".join(
         [f"--digit {' '.join(map(str, args.digit))}", f"--seed {args.seed}", f"--steps {args.steps}",
          f"--samples {args.samples}", f"--threads {args.threads}"]

@@ -138,6 +138,14 @@ class FactorySection(_Section):
     classifier_val_fraction: float = Field(
         0.1, gt=0, lt=0.5, description="Share of the server's synthetic set held out to pick the best epoch."
     )
+    fidelity: bool = Field(
+        True, description="Measure per-class FD/KID of the synthetic set against the real data in a small CNN's "
+        "features (needs the dataset's training split at the server; written to fidelity.json)."
+    )
+    inception_weights: str = Field(
+        "", description="Local path of the FID Inception-v3 weights (torch-fidelity's pt_inception-2015-12-05 file) "
+        "to add Inception FID/KID; empty = skip. Nothing is downloaded."
+    )
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."
     )

@@ -466,3 +466,16 @@ def test_arrays_round_trip_with_checksum_and_tampering_is_refused():
     tampered = {**arrays, name: arrays[name] + 1e-3}
     with pytest.raises(GeneratorFileError, match="checksum mismatch"):
         generator_from_arrays(TINY, tampered, checksum)
+
+
+def test_bf16_autocast_training_tracks_fp32_and_auto_is_fp32_on_cpu():
+    config = dataclasses.replace(CPU_PRESET, total_images=3 * CPU_PRESET.batch_size)
+    images = np.random.default_rng(0).random((70, 1, 8, 8), dtype=np.float32)
+    curves = {p: train_generator(images, None, config, progress=None, device=torch.device("cpu"), precision=p)[1].loss_curve
+              for p in ("fp32", "bf16", "auto")}
+    assert curves["auto"] == curves["fp32"]
+    # bf16 keeps 8 mantissa bits (relative rounding 2^-9 per op); a few % after 3 steps is plenty
+    assert curves["bf16"] != curves["fp32"]
+    assert np.allclose(curves["bf16"], curves["fp32"], rtol=0.02)
+    with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"):
+        train_generator(images, None, config, progress=None, device=torch.device("cpu"), precision="fp16")

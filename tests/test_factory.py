@@ -388,6 +388,12 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     assert (factory_run / "samples" / "all-classes.png").is_file() and (factory_run / "model.safetensors").is_file()
     report = (factory_run / "report.html").read_text()  # written at the end of the run, from these files
     assert "Synthetic samples" in report and all(m["module-id"] in report for m in manifest["modules"])
+    # generator fidelity per uploaded class, next to its real-vs-real floor, in fidelity.json and the summary
+    fidelity = json.loads((factory_run / "fidelity.json").read_text())
+    assert summary["fidelity"] == fidelity
+    per_class = fidelity["classifier"]["per_class"]
+    assert sorted(int(name) for name in per_class) == sorted(uploaded)
+    assert all(row["n"] == 24 and row["fd"] > -1e-6 and row["fd_floor"] > -1e-6 for row in per_class.values())
 
 
 def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_path):

@@ -571,6 +571,8 @@ def edm2_loss(net: Precond, images: torch.Tensor, labels: torch.Tensor | None,
     weight = (sigma**2 + SIGMA_DATA**2) / (sigma * SIGMA_DATA) ** 2
     noise = torch.randn(images.shape, generator=generator, device=images.device) * sigma
     denoised, logvar = net(images + noise, sigma, labels, return_logvar=True)
+    # Under bf16 autocast the network's outputs may be bf16; the loss itself is summed in float32.
+    denoised, logvar = denoised.to(torch.float32), logvar.to(torch.float32)
     per_element = weight / logvar.exp() * (denoised - images) ** 2 + logvar
     return per_element.sum() / batch
 
@@ -688,21 +690,37 @@ def augment(images: torch.Tensor, flip: bool, rot90: bool, rng: np.random.Genera
     return images
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 for 'bf16', and for 'auto' on CUDA (the weights, optimiser state, EMA and loss stay fp32);
+    None (plain fp32) otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
 def train_generator(
     images: np.ndarray,
     labels: np.ndarray | None,
     config: GeneratorConfig,
     progress: ProgressFn | None = print_progress,
     device: torch.device | None = None,
+    precision: str = "auto",
 ) -> tuple[Precond, TrainStats]:
     """Train an EDM2 generator from scratch; returns the EMA model (eval mode) and training stats.
 
     images: float32 (N, C, H, W) in [0, 1]. labels: int class ids (N,) for a conditional config,
     None for an unconditional one (FederatedFactory trains one unconditional model per class).
-    progress(step, total, loss) is called after every step; None silences it.
+    progress(step, total, loss) is called after every step; None silences it. precision: the
+    forward and backward passes under bf16 autocast ('bf16'; 'auto' = bf16 on CUDA) or in fp32.
     """
     _validate_training_data(images, labels, config)
     device = torch.device(device) if device is not None else default_device()
+    mixed = autocast_dtype(precision, device)
     rng = np.random.default_rng(config.seed)
     torch_rng = torch.Generator(device=device).manual_seed(config.seed)
     data = torch.from_numpy(images).to(device) * 2 - 1
@@ -724,7 +742,8 @@ def train_generator(
             index = torch.from_numpy(next(batches)).to(device)
             batch = augment(data[index], config.augment_flip, config.augment_rot90, rng)
             batch_labels = class_ids[index] if class_ids is not None else None
-            loss = edm2_loss(net, batch, batch_labels, config.P_mean, config.P_std, torch_rng)
+            with torch.autocast(device.type, dtype=mixed or torch.float32, enabled=mixed is not None):
+                loss = edm2_loss(net, batch, batch_labels, config.P_mean, config.P_std, torch_rng)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for param in net.parameters():

@@ -54,6 +54,7 @@ from fedskew.factory.library import (
 )
 from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators
 from fedskew.factory.timing import Elapsed, timed
+from fedskew.fidelity import record_fidelity
 from fedskew.models.edm2 import build_generator
 from fedskew.results import RunRecorder, write_json
 from fedskew.strategies.recording import RecordingMixin
@@ -449,6 +450,8 @@ def run_factory(
         raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
 
     model, stats = train_library_classifier(cfg, library, device, recorder.path)
+    if cfg.factory.fidelity:
+        record_fidelity(cfg, recorder, device)
     server_metrics = test_metrics(model, test, device)
     report["classifier"] = {k: v for k, v in stats.items()}
     report["server_test"] = server_metrics
