@@ -175,6 +175,12 @@ class RunConfig(_Section):
         "same partition and ETF (settings that shape the data or model must match)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device (auto = CUDA when present).")
+    centralized_model: Literal["auto", "fednca", "linear"] = Field(
+        "auto",
+        description="Model the `centralized` bound trains: `fednca` (FedNCA-ML's ETF model, losses and AdamW "
+        "schedule), `linear` (backbone + linear head with SGD: the FedAvg/FedProx model), `auto` (fednca on "
+        "multi-label data, else linear).",
+    )
     fednca: FedNCASection = Field(default_factory=FedNCASection)
     factory: FactorySection = Field(default_factory=FactorySection)
 
@@ -206,6 +212,8 @@ class RunConfig(_Section):
                 "method", self.method, "single-label data (mosaic-grid = 0 and a single-label dataset): "
                 "FederatedFactory's generators and classifier model one class per image"
             )
+        if self.centralized_model == "fednca" and not multilabel:
+            raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
         if self.partition == "multilabel-skew" and not multilabel:
             raise _field_error(
                 "partition", self.partition, "iid, dirichlet or classes-per-site for single-label data "
@@ -220,6 +228,13 @@ class RunConfig(_Section):
     @property
     def multilabel(self) -> bool:
         return self.mosaic_grid >= 2 or self.dataset in MULTILABEL_SOURCES
+
+    @property
+    def fednca_model(self) -> bool:
+        """Whether the run trains FedNCA-ML's model: method fednca, or the centralised bound of it."""
+        if self.method == "centralized" and self.centralized_model != "linear":
+            return self.centralized_model == "fednca" or self.multilabel
+        return self.method == "fednca"
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:

@@ -43,8 +43,7 @@ def main(grid: Grid, context: Context) -> None:
         if cfg.method in ("factory", "factory-p2p"):
             run_factory(grid, cfg, sorted(survey), task, test, recorder, device)
         elif cfg.method == "centralized":
-            model = build_model(cfg, task.num_classes, task.image_shape).to(device)
-            train_centralized(cfg, model, num_sites, device, recorder)
+            train_centralized(cfg, task, num_sites, device, recorder)
         else:
             etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
             model = build_model(cfg, task.num_classes, task.image_shape, etf=etf).to(device)
