@@ -85,9 +85,10 @@ def _site_model(
 
 
 def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, server_round: int):
-    """(optimizer, scheduler, loss_fn) for the method. FedNCA-ML's warm-up/decay schedule spans
-    the whole run, so each round continues it where the previous round stopped."""
-    if cfg.method != "fednca":
+    """(optimizer, scheduler, loss_fn) for the run's model. FedNCA-ML's warm-up/decay schedule spans
+    the whole run (num-server-rounds x steps_per_round), so each round continues it where the previous
+    round stopped; its centralised bound builds it once (round 1) and trains every round with it."""
+    if not cfg.fednca_model:
         momentum = 0.0 if cfg.method in PLAIN_SGD_METHODS else cfg.momentum
         return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, classification_loss
     nca = cfg.fednca

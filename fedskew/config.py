@@ -270,6 +270,12 @@ class RunConfig(_Section):
         "same partition and ETF (settings that shape the data or model must match)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device (auto = CUDA when present).")
+    centralized_model: Literal["auto", "fednca", "linear"] = Field(
+        "auto",
+        description="Model the `centralized` bound trains: `fednca` (FedNCA-ML's ETF model, losses and AdamW "
+        "schedule), `linear` (backbone + linear head with SGD: the FedAvg/FedProx model), `auto` (fednca on "
+        "multi-label data, else linear).",
+    )
     fednca: FedNCASection = Field(default_factory=FedNCASection)
     factory: FactorySection = Field(default_factory=FactorySection)
     dp: DPSection = Field(default_factory=DPSection)
@@ -300,6 +306,8 @@ class RunConfig(_Section):
             problems = label_kind_conflicts(self, self.label_kind)
             if problems:
                 raise ValueError(problems[0])
+        if self.centralized_model == "fednca" and self.label_kind == "single":
+            raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
         _check_dp(self)
         return self
 
@@ -323,6 +331,13 @@ class RunConfig(_Section):
             if name in INFO:
                 return "multi" if INFO[name]["task"] == MEDMNIST_MULTILABEL_TASK else "single"
         return None
+
+    @property
+    def fednca_model(self) -> bool:
+        """Whether the run trains FedNCA-ML's model: method fednca, or the centralised bound of it."""
+        if self.method == "centralized" and self.centralized_model != "linear":
+            return self.centralized_model == "fednca" or self.label_kind == "multi"
+        return self.method == "fednca"
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:

@@ -53,8 +53,7 @@ def main(grid: Grid, context: Context) -> None:
         if cfg.method in ("factory", "factory-p2p"):
             run_factory(grid, cfg, survey, task, test, recorder, device)
         elif cfg.method == "centralized":
-            model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape)).to(device)
-            train_centralized(cfg, model, num_sites, device, recorder)
+            train_centralized(cfg, task, num_sites, device, recorder)
         else:
             etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
             recorder.etf = etf  # stored in the model files: the model is unusable without it

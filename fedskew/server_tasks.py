@@ -15,13 +15,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
+from fedskew.client_tasks import local_optimisation
 from fedskew.config import RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_training_data
 from fedskew.data.sources import ImageDataset
+from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
-from fedskew.training import evaluate, make_loader, sgd, train_local
+from fedskew.training import evaluate, make_loader, train_local
 
 SURVEY = "query.site_survey"
 
@@ -152,16 +154,25 @@ def make_evaluate_fn(
     return evaluate_fn
 
 
-def train_centralized(cfg: RunConfig, model: nn.Module, num_sites: int, device: torch.device, recorder: RunRecorder) -> None:
-    """The upper bound: the same model on the pooled site training data, the same sample passes
-    (rounds x local epochs over every site's data), evaluated on the same test split."""
+def train_centralized(
+    cfg: RunConfig, task: TaskShape | ImageDataset, num_sites: int, device: torch.device, recorder: RunRecorder
+) -> None:
+    """The upper bound: the model of the method it bounds (`centralized-model`), with that method's
+    losses and optimiser, on the pooled site training data for the same sample passes (rounds x local
+    epochs over every site's data), evaluated on the same test split. One optimiser and learning-rate
+    schedule span the whole run, as one site would train if it held all the data."""
     images, labels = pooled_training_data(cfg, num_sites)
     test = load_task_dataset(cfg)
+    etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.fednca_model else None
+    model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
-    optimizer = sgd(model, cfg.lr, cfg.momentum, cfg.weight_decay)
+    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
     recorder.record_round(0, evaluate(model, test.test_images, test.test_labels, device=device))
     for server_round in range(1, cfg.num_server_rounds + 1):
-        stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, device=device)
+        stats = train_local(
+            model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
+            device=device,
+        )
         metrics = evaluate(model, test.test_images, test.test_labels, device=device)
         recorder.save_checkpoint(model.state_dict(), server_round)
         recorder.record_round(server_round, metrics, train=stats)

@@ -19,13 +19,14 @@ def server_etf(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, in
 def build_model(
     cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int], etf: torch.Tensor | None = None
 ) -> nn.Module:
-    """FedNCA-ML's ETF model (with the server's `etf`) for method fednca, else backbone + linear head."""
+    """FedNCA-ML's ETF model (with the server's `etf`) for method fednca and its centralised bound, else
+    backbone + linear head."""
     channels, height, _ = image_shape
     backbone = build_backbone(cfg.model, channels, height, imagenet_input=bool(cfg.pretrained))
-    if cfg.method != "fednca":
+    if not cfg.fednca_model:
         return Classifier(backbone, num_classes)
     if etf is None:
-        raise ValueError("method fednca needs the server's ETF matrix to build its model")
+        raise ValueError("FedNCA-ML's model needs the server's ETF matrix")
     return FedNCAModel(
         backbone,
         etf,
