@@ -11,6 +11,7 @@ from fedskew.client_tasks import evaluate_site, load_site, site_survey, train_si
 from fedskew.config import RunConfig
 from fedskew.factory.site import MemorizationRefusal
 from fedskew.strategies.factory import site_expert, site_upload
+from fedskew.strategies.factory_validation import site_scores
 from fedskew.strategies.fednca import ETF_KEY
 from fedskew.training import pick_device
 
@@ -70,3 +71,10 @@ def factory_p2p(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
     return Message(site_expert(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)
+
+
+@app.query("factory_validation")
+def factory_validation(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    return Message(site_scores(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)
