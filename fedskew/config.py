@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+GENERATED_DATASETS = ("deformed-digits", "shapes", "shapes-multi")  # drawn by fedskew.data.synthetic
+MULTILABEL_SOURCES = ("medmnist:chestmnist", "shapes-multi")
 MULTILABEL_METHODS: tuple[str, ...] = ("fednca",)
 SINGLE_LABEL_METHODS: tuple[str, ...] = ("factory", "factory-p2p")
 
@@ -140,7 +142,8 @@ class RunConfig(_Section):
     dataset: str = Field(
         "digits",
         description="Image source: `digits` (bundled with scikit-learn), `medmnist:<name>`, "
-        "`npz:<path>` (MedMNIST npz layout) or `cifar10`.",
+        "`npz:<path>` (MedMNIST npz layout), `cifar10`, or a set generated from the seed: `deformed-digits`, "
+        "`shapes` (single-label) or `shapes-multi` (multi-label).",
     )
     data_root: str = Field("data", description="Folder holding downloaded/placed dataset files.")
     num_classes: int = Field(
@@ -199,18 +202,21 @@ class RunConfig(_Section):
     @classmethod
     def _known_dataset_form(cls, value: str) -> str:
         kind, sep, arg = value.partition(":")
-        if value in ("digits", "cifar10") or (sep and kind in ("medmnist", "npz") and arg):
+        if value in ("digits", "cifar10", *GENERATED_DATASETS) or (sep and kind in ("medmnist", "npz") and arg):
             return value
         raise ValueError(
             f"key 'dataset' = {value!r} is invalid; valid: digits, cifar10, medmnist:<name> (e.g. "
-            "medmnist:chestmnist) or npz:<path to a MedMNIST-layout .npz>"
+            "medmnist:chestmnist), npz:<path to a MedMNIST-layout .npz> or a generated set: "
+            + ", ".join(GENERATED_DATASETS)
         )
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:
         if self.mosaic_grid == 1:
             raise _field_error("mosaic-grid", 1, "0 (off) or 2-4 (a 1 x 1 mosaic is the source image)")
-        multilabel = self.mosaic_grid >= 2 or self.dataset == "medmnist:chestmnist"
+        if self.mosaic_grid >= 2 and self.dataset in MULTILABEL_SOURCES:
+            raise _field_error("mosaic-grid", self.mosaic_grid, f"0 for {self.dataset}, already multi-label")
+        multilabel = self.multilabel
         if self.method in MULTILABEL_METHODS and not multilabel:
             raise _field_error(
                 "method", self.method, "a multi-label dataset: set mosaic-grid to 2-4 or use a multi-label source"
@@ -233,7 +239,7 @@ class RunConfig(_Section):
 
     @property
     def multilabel(self) -> bool:
-        return self.mosaic_grid >= 2 or self.dataset == "medmnist:chestmnist"
+        return self.mosaic_grid >= 2 or self.dataset in MULTILABEL_SOURCES
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:

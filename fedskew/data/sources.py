@@ -22,6 +22,8 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torchvision.datasets import CIFAR10
 
+from fedskew.config import GENERATED_DATASETS
+
 MEDMNIST_SIZES = (28, 64, 128, 224)
 MEDMNIST_2D_NAMES = tuple(name for name in MEDMNIST_INFO if not name.endswith("3d"))
 NPZ_SPLITS = ("train", "val", "test")
@@ -29,7 +31,8 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 DIGITS_TEST_FRACTION = 0.2
 DATASET_FORMS = (
     "'digits', 'cifar10', 'medmnist:<name>' (name one of " + ", ".join(MEDMNIST_2D_NAMES) + ") "
-    "or 'npz:<path>' (a file in MedMNIST npz layout; a relative path is taken under data-root)"
+    "'npz:<path>' (a file in MedMNIST npz layout; a relative path is taken under data-root) or a generated set: "
+    + ", ".join(GENERATED_DATASETS)
 )
 
 
@@ -76,15 +79,16 @@ def load_source(
     """Load `dataset` ('digits', 'cifar10', 'medmnist:<name>', 'npz:<path>').
 
     image_size 0 keeps the native size; otherwise images are resized to image_size x image_size
-    (MedMNIST reads its native file of that size when one exists). `seed` only affects `digits`,
-    the one source without an official test split. MedMNIST and npz sources merge their val split
+    (MedMNIST reads its native file of that size when one exists; generated sets are drawn at that
+    size). `seed` only affects `digits`, the one source without an official test split, and the
+    generated sets. MedMNIST and npz sources merge their val split
     into train: sites carve their own validation split out of their training share.
     """
     if image_size < 0:
         raise DataSourceError(f"image_size={image_size} is negative; valid: 0 (native size) or a positive pixel count")
     kind, _, argument = dataset.partition(":")
     if dataset == "digits":
-        source = _load_digits(seed)
+        source = load_digits_source(seed)
     elif dataset == "cifar10":
         source = _load_cifar10(Path(data_root).expanduser(), allow_download)
     elif kind == "medmnist" and argument:
@@ -92,6 +96,10 @@ def load_source(
     elif kind == "npz" and argument:
         path = Path(argument).expanduser()
         source = load_npz(path if path.is_absolute() else Path(data_root).expanduser() / path)
+    elif dataset in GENERATED_DATASETS:
+        from fedskew.data.synthetic import load_synthetic  # it builds on this module's ImageDataset
+
+        source = load_synthetic(dataset, image_size, seed)  # drawn at image_size: the resize below is a no-op
     else:
         raise DataSourceError(f"unknown dataset {dataset!r}; valid forms: {DATASET_FORMS}")
     return resize_dataset(source, image_size)
@@ -125,7 +133,7 @@ def resize_dataset(dataset: ImageDataset, image_size: int) -> ImageDataset:
     )
 
 
-def _load_digits(seed: int) -> ImageDataset:
+def load_digits_source(seed: int) -> ImageDataset:
     bunch = load_digits()
     images = (bunch.images / 16.0).astype(np.float32)[:, None]
     labels = bunch.target.astype(np.int64)
