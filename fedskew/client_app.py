@@ -14,6 +14,7 @@ from fedskew.privacy import privacy_mod
 from fedskew.site_state import SiteState
 from fedskew.strategies.drift import SCAFFOLD_CONTROL_KEY
 from fedskew.strategies.factory import site_expert, site_upload
+from fedskew.strategies.factory_validation import site_scores
 from fedskew.strategies.fednca import ETF_KEY
 from fedskew.training import pick_device
 
@@ -83,3 +84,10 @@ def factory_p2p(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
     return Message(site_expert(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)
+
+
+@app.query("factory_validation")
+def factory_validation(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    return Message(site_scores(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)

@@ -82,9 +82,14 @@ class FactorySection(_Section):
         "cpu", description="EDM2 preset: `cpu` (16 channels, 2 levels) or the paper's `gpu-32px` (128 channels, "
         "4 levels, ~50 M parameters; needs images whose side halves 3 times, e.g. image-size 32)."
     )
+    generator_images: int = Field(
+        0, ge=0, le=10_000_000_000, description="Training budget per generator in images seen, whatever batch the "
+        "class size gives (0 = the preset's: cpu 25,600 at 8 px, 12,800 more per extra UNet level at larger "
+        "images; gpu-32px 25 M); the lr schedule scales with it."
+    )
     generator_steps: int = Field(
-        0, ge=0, le=10_000_000, description="Training steps per generator (0 = the preset's: cpu 400, gpu-32px "
-        "6104 = 25 M images at batch 4096); the lr schedule is scaled to the run length."
+        0, ge=0, le=10_000_000, description="Training steps per generator instead of a budget in images (0 = from "
+        "`factory.generator-images`); the lr schedule scales with the run."
     )
     min_class_images: int = Field(
         10, ge=1, le=1_000_000, description="A site trains a generator only for classes it holds at least this many "
@@ -130,7 +135,13 @@ class FactorySection(_Section):
         "resnet18", description="Classifier trained on synthetic data (ResNets with the small-image stem below "
         "96 px; the paper: resnet50)."
     )
-    classifier_epochs: int = Field(6, ge=1, le=10_000, description="Classifier epochs (the paper: 300).")
+    classifier_epochs: int = Field(
+        6, ge=1, le=10_000, description="Most classifier epochs (the paper: 300); the cosine lr decay spans them."
+    )
+    classifier_patience: int = Field(
+        0, ge=0, le=10_000, description="Stop the classifier once its held-out accuracy has not improved for this "
+        "many epochs (0 = train all `factory.classifier-epochs`)."
+    )
     classifier_lr: float = Field(0.05, gt=0, le=10, description="Classifier SGD learning rate, cosine-decayed to 0.")
     classifier_batch_size: int = Field(64, ge=1, le=65536, description="Classifier mini-batch size.")
     classifier_momentum: float = Field(0.9, ge=0, lt=1, description="Classifier SGD momentum.")
@@ -145,6 +156,15 @@ class FactorySection(_Section):
     inception_weights: str = Field(
         "", description="Local path of the FID Inception-v3 weights (torch-fidelity's pt_inception-2015-12-05 file) "
         "to add Inception FID/KID; empty = skip. Nothing is downloaded."
+    )
+    site_validation: bool = Field(
+        False, description="The sites evaluate the server classifier's checkpoints on their own real validation "
+        "images (only per-class counts and probability sums leave a site) to pick the epoch and calibrate the "
+        "output biases; off: the synthetic hold-out alone picks the epoch."
+    )
+    calibration_rounds: int = Field(
+        3, ge=0, le=100, description="With `factory.site-validation`: rounds of output-bias calibration at the sites "
+        "(0 = pick the epoch only)."
     )
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."

@@ -290,7 +290,8 @@ def test_generator_config_keeps_attention_levels_and_scales_the_schedule():
     config = generator_config(factory, (3, 16, 16), label_dim=0, n_images=40, seed=5)
     assert (config.img_channels, config.img_resolution, config.attn_resolutions) == (3, 16, (8,))
     assert config.batch_size == 32 and config.total_steps == 40 and config.seed == 5
-    assert config.t_rampup == round(CPU_PRESET.t_rampup / 10)
+    # The ramp-up keeps the preset's share of the run, counted in images seen.
+    assert config.t_rampup == round(CPU_PRESET.t_rampup / CPU_PRESET.total_images * 40 * 32)
     with pytest.raises(ValueError, match="square"):
         generator_config(factory, (1, 8, 6), 0, 40, 0)
 
@@ -311,6 +312,10 @@ E2E = {
 # With val-fraction 0.02 and seed 1, one of the 3 sites holds no held-out image of a class it models,
 # so with the audit on (max-memorization > 0) it cannot check that generator and refuses to upload.
 REFUSAL = {"val-fraction": 0.02, "seed": 1, "factory.max-memorization": 0.5}
+
+
+# The P2P run also has the sites validate the server's classifier on their real validation images.
+P2P = {"method": "factory-p2p", "factory.conditional": True, "factory.site-validation": True, "factory.calibration-rounds": 1}
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +347,7 @@ def factory_run(superlink, tmp_path_factory):
 @pytest.fixture(scope="module")
 def p2p_run(superlink, tmp_path_factory):
     results = tmp_path_factory.mktemp("p2p-results")
-    config = {**E2E, "method": "factory-p2p", "factory.conditional": True, "results-dir": str(results)}
+    config = {**E2E, **P2P, "results-dir": str(results)}
     outcome = superlink.run_app(config, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
     return _only_run_dir(results)
@@ -416,6 +421,12 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     # round 2 relays the whole library to each of the 3 sites
     library_bytes = sum(p.stat().st_size for p in (p2p_run / "library").glob("*.safetensors"))
     assert min(summary["bytes"]["sent_per_site"].values()) > 0.9 * library_bytes
+    # The sites judged the server's checkpoints (epochs 1 and 2) and one calibration of its output biases.
+    validation = summary["factory"]["site_validation"]
+    assert set(validation["site_val_balanced_accuracy_by_epoch"]) == {"1", "2"}
+    assert len(validation["site_val_balanced_accuracy_by_calibration_round"]) == 1 and len(validation["class_bias"]) == 10
+    cfg = RunConfig.from_run_config({**E2E, **P2P})
+    assert validation["site_val_images"] == sum(len(simulated_site(cfg, k, 3).val_labels) for k in range(3))
 
 
 def test_unlearning_a_site_drops_exactly_its_modules_and_leaves_the_source_run_unchanged(factory_run, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 The recipe is the paper's optimiser (SGD lr 0.05, momentum 0.9, weight decay 1e-4, cosine decay to
 0, cross-entropy, bf16 autocast on GPU) with the architecture and epochs from the run config; a
-held-out share of the training images picks the best epoch.
+held-out share of the training images picks the best epoch, and training stops once that share has
+not improved for `patience` epochs (the cosine schedule spans the epoch limit).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ class ClassifierRecipe:
     weight_decay: float
     batch_size: int
     augment: str  # "none" | "flip" | "flip-rot90"; random shifts are always on
+    patience: int = 0  # stop after this many epochs without a better validation accuracy (0 = never)
 
     @classmethod
     def from_section(cls, factory: FactorySection) -> ClassifierRecipe:
         return cls(
             factory.classifier, factory.classifier_epochs, factory.classifier_lr, factory.classifier_momentum,
             factory.classifier_weight_decay, factory.classifier_batch_size, factory.augment,
+            factory.classifier_patience,
         )  # fmt: skip
 
 
@@ -91,6 +94,13 @@ def augmented_cross_entropy(augment: str, seed: int) -> LossFn:
     return loss_fn
 
 
+def checkpoint_epochs(best_epoch: int, last_epoch: int) -> list[int]:
+    """Epochs whose weights are worth a second opinion: powers of two up to the last epoch, the best on
+    the held-out share and the last one."""
+    powers = [2**k for k in range(last_epoch.bit_length()) if 2**k <= last_epoch]
+    return sorted({*powers, best_epoch, last_epoch})
+
+
 def train_classifier(
     images: np.ndarray,
     labels: np.ndarray,
@@ -100,9 +110,12 @@ def train_classifier(
     val_fraction: float,
     seed: int,
     device: torch.device,
+    checkpoints: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> tuple[Classifier, dict]:
-    """Train from scratch on (images, labels) minus a stratified `val_fraction`; returns the weights of the
-    epoch with the best validation accuracy, and stats (loss, best epoch, validation accuracy, seconds)."""
+    """Train from scratch on (images, labels) minus a stratified `val_fraction` until the validation
+    accuracy has not improved for recipe.patience epochs (or recipe.epochs); returns the weights of the
+    epoch with the best validation accuracy, and stats (loss, best and last epoch, validation accuracy,
+    seconds). `checkpoints`, when given, receives {epoch: weights} for checkpoint_epochs."""
     train_idx, val_idx = stratified_holdout(labels, val_fraction, seed)
     torch.manual_seed(seed)
     model = build_classifier(recipe.arch, tuple(images.shape[1:]), num_classes).to(device)
@@ -111,20 +124,31 @@ def train_classifier(
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.epochs * len(loader), eta_min=0.0)
     loss_fn = augmented_cross_entropy(recipe.augment, seed)
     best = {"val_accuracy": -1.0}
+    states: dict[int, dict[str, torch.Tensor]] = {}
     seconds = 0.0
     for epoch in range(1, recipe.epochs + 1):
         stats = train_local(model, loader, epochs=1, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, device=device)
         seconds += stats["train_seconds"]
         val_accuracy = evaluate(model, images[val_idx], labels[val_idx], device=device)["accuracy"] if len(val_idx) else 0.0
+        if checkpoints is not None:
+            states[epoch] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         if val_accuracy > best["val_accuracy"]:
             best = {"val_accuracy": val_accuracy, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
         print(f"classifier epoch {epoch}/{recipe.epochs}: loss {stats['train_loss']:.4f}, val acc {val_accuracy:.4f}", flush=True)
+        if recipe.patience and epoch - best["best_epoch"] >= recipe.patience:
+            break
+        if checkpoints is not None:  # drop what can no longer be a checkpoint epoch, to bound memory
+            keep = set(checkpoint_epochs(best["best_epoch"], epoch))
+            states = {e: w for e, w in states.items() if e in keep}
+    if checkpoints is not None:
+        checkpoints.update({e: states[e] for e in checkpoint_epochs(best["best_epoch"], epoch)})
     model.load_state_dict(best.pop("state"))
     return model, {
         "train_loss": stats["train_loss"],
         "train_seconds": seconds,
         "num_examples": len(train_idx),
         "val_examples": len(val_idx),
+        "last_epoch": epoch,
         **best,
     }
 

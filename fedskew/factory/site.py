@@ -24,17 +24,23 @@ from fedskew.factory.library import (
     synthesise,
 )
 from fedskew.models.edm2 import (
-    CPU_PRESET,
     GPU_PRESET_32PX,
     GeneratorConfig,
     Precond,
+    budgeted_for_class,
+    cpu_preset,
     sample,
     train_generator,
     with_batch_for_class_size,
 )
 from fedskew.models.generator_io import state_dict_checksum
 
-GENERATOR_PRESETS = {"cpu": CPU_PRESET, "gpu-32px": GPU_PRESET_32PX}
+
+def generator_preset(name: str, resolution: int) -> GeneratorConfig:
+    """The named preset for `resolution` px images (the CPU one grows its levels with the image)."""
+    return cpu_preset(resolution) if name == "cpu" else GPU_PRESET_32PX
+
+
 # A sample closer to a training image than this share of its distance to the nearest held-out image
 # counts as memorised (the rule bench/generator.py reports).
 MEMORIZATION_RATIO = 1 / 3
@@ -48,30 +54,32 @@ def generator_config(
     factory: FactorySection, image_shape: tuple[int, int, int], label_dim: int, n_images: int, seed: int
 ) -> GeneratorConfig:
     """The preset adapted to the data: image size and channels, attention at the same levels, the
-    paper's batch rule for the class size, and the lr schedule scaled to the number of steps."""
-    preset = GENERATOR_PRESETS[factory.generator]
+    paper's batch rule for the class size, and a budget in images seen (factory.generator-images, or
+    factory.generator-steps x the batch) whatever the batch; t_ref and the ramp-up scale with the budget
+    (edm2.md: for short runs), and the ramp-up ends before the decay so the lr reaches its reference."""
     channels, height, width = image_shape
     if height != width:
         raise ValueError(f"generators need square images, got {height} x {width}; set run-config image-size")
-    steps = factory.generator_steps or preset.total_steps
+    preset = generator_preset(factory.generator, height)
     # Attention stays at the same UNet levels as in the preset (level k works at side >> k).
     attn = tuple(height >> preset.level_resolutions.index(r) for r in preset.attn_resolutions)
-    scale = steps / preset.total_steps
+    batch = with_batch_for_class_size(preset, n_images).batch_size
+    total = factory.generator_steps * batch if factory.generator_steps else factory.generator_images or preset.total_images
+    scale = total / preset.total_images
     config = dataclasses.replace(
         preset,
         img_resolution=height,
         img_channels=channels,
         label_dim=label_dim,
         attn_resolutions=attn,
-        total_images=steps * preset.batch_size,
+        total_images=max(total, preset.batch_size),
         t_ref=max(1, round(preset.t_ref * scale)),
         t_rampup=round(preset.t_rampup * scale),
         augment_flip=factory.augment != "none",
         augment_rot90=factory.augment == "flip-rot90",
         seed=seed,
     )
-    sized = with_batch_for_class_size(config, n_images)
-    return dataclasses.replace(sized, total_images=steps * sized.batch_size)
+    return budgeted_for_class(config, n_images, total)
 
 
 def nearest_distances(queries: np.ndarray, references: np.ndarray) -> np.ndarray:

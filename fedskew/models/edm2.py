@@ -225,6 +225,7 @@ GPU_PRESET_32PX = GeneratorConfig(
 
 # One class of sklearn's 8 px digits in about a minute on a laptop CPU. The ramp-up and t_ref are
 # scaled to the 400-step run (the published 10 M-image ramp-up would never finish).
+# cpu_preset(resolution) scales it to larger images.
 CPU_PRESET = GeneratorConfig(
     img_resolution=8,
     img_channels=1,
@@ -247,6 +248,34 @@ CPU_PRESET = GeneratorConfig(
     seed=0,
 )
 
+# The CPU preset's deepest level works at 4-8 px whatever the image size, so its receptive field
+# covers the whole image (the 8 px preset's two levels at 28 px see 14 px patches and draw strokes
+# without a digit's global shape).
+CPU_DEEPEST_SIDE = 8
+
+
+def cpu_preset(resolution: int) -> GeneratorConfig:
+    """CPU_PRESET for `resolution` px images: one more UNet level (2x channels, at most 32) per halving
+    until the deepest side is <= CPU_DEEPEST_SIDE, attention at the deepest level only, and the
+    image budget grown with the levels (every extra level adds 200 steps' worth of images)."""
+    mult = [1, 2]
+    side = resolution >> 1
+    while side > CPU_DEEPEST_SIDE and side % 2 == 0:
+        mult.append(2)
+        side >>= 1
+    extra_levels = len(mult) - len(CPU_PRESET.channel_mult)
+    total_images = CPU_PRESET.total_images + extra_levels * 200 * CPU_PRESET.batch_size
+    return dataclasses.replace(
+        CPU_PRESET,
+        img_resolution=resolution,
+        channel_mult=tuple(mult),
+        num_blocks=CPU_PRESET.num_blocks if extra_levels == 0 else 1,
+        attn_resolutions=(side,),
+        total_images=total_images,
+        t_ref=round(CPU_PRESET.t_ref * total_images / CPU_PRESET.total_images),
+        t_rampup=round(CPU_PRESET.t_rampup * total_images / CPU_PRESET.total_images),
+    )
+
 
 def with_batch_for_class_size(config: GeneratorConfig, n_images: int, min_batch: int = 32) -> GeneratorConfig:
     """FederatedFactory's batch rule: the largest power of two <= n_images, at least min_batch, at most
@@ -257,6 +286,22 @@ def with_batch_for_class_size(config: GeneratorConfig, n_images: int, min_batch:
     batch = min(config.batch_size, max(min_batch, power_of_two))
     t_ref = max(1, round(config.t_ref * batch / config.batch_size))
     return dataclasses.replace(config, batch_size=batch, t_ref=t_ref)
+
+
+def budgeted_for_class(config: GeneratorConfig, n_images: int, total_images: int | None = None) -> GeneratorConfig:
+    """`config` for a class of `n_images`, trained on a budget of `total_images` images seen (default:
+    the config's own), whatever batch the class size gives: the batch rule above, steps =
+    total_images / batch, and the ramp-up kept at the config's share of the run but ending no later
+    than the lr decay starts (t_ref, counted in batches, shrinks with the batch), so the lr reaches
+    ref_lr in every run. Without that cap a class of 50 images at the 32 px preset (batch 32, decay
+    from 1.1 M images) would peak at ref_lr / 3 at the end of a 10 M-image ramp-up."""
+    total = config.total_images if total_images is None else total_images
+    if not _is_int(total) or total < 1:
+        raise ValueError(f"total_images must be an int >= 1, got {total!r}")
+    sized = with_batch_for_class_size(config, n_images)
+    rampup_share = config.t_rampup / config.total_images
+    t_rampup = min(round(rampup_share * total), sized.t_ref)
+    return dataclasses.replace(sized, total_images=max(total, sized.batch_size), t_rampup=t_rampup)
 
 
 # --------------------------------------------------------------------------------------------

@@ -381,9 +381,10 @@ def test_metrics(model: torch.nn.Module, test: ImageDataset | None, device: torc
 
 
 def train_library_classifier(
-    cfg: RunConfig, library: Library, device: torch.device, run_dir: Path
+    cfg: RunConfig, library: Library, device: torch.device, run_dir: Path, checkpoints: dict | None = None
 ) -> tuple[torch.nn.Module, dict]:
-    """Synthesise the class-balanced set (stored, with its plan), write the sample grids, train the classifier."""
+    """Synthesise the class-balanced set (stored, with its plan), write the sample grids, train the
+    classifier (`checkpoints`: see train_classifier)."""
     synthesis, training = Elapsed(), Elapsed()
     with timed(synthesis):
         synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
@@ -392,7 +393,7 @@ def train_library_classifier(
     with timed(training):
         model, stats = train_classifier(
             synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_section(cfg.factory),
-            val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device,
+            val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device, checkpoints=checkpoints,
         )  # fmt: skip
     stats.update(
         **synthesis.as_metrics("synthesis"),
@@ -449,7 +450,13 @@ def run_factory(
     if not library.modules:
         raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
 
-    model, stats = train_library_classifier(cfg, library, device, recorder.path)
+    checkpoints = {} if cfg.factory.site_validation else None
+    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints)
+    if checkpoints is not None:
+        # Imported here: the validation transport builds on this module's wire format.
+        from fedskew.strategies.factory_validation import validate_at_sites
+
+        model, report["site_validation"] = validate_at_sites(flow, sorted(survey), model, checkpoints, cfg, task)
     if cfg.factory.fidelity:
         record_fidelity(cfg, recorder, device)
     server_metrics = test_metrics(model, test, device)

@@ -1,0 +1,203 @@
+"""In-process search for FederatedFactory defaults: the factory pipeline without Flower, variant by
+variant, on the exact sites a `flwr run` would simulate (single-class silos by default).
+
+    python -m bench.factory_search --dataset digits --seeds 0 \
+        --base "factory.classifier='small-cnn'" \
+        --variant "fixed-6:" --variant "site-validation: factory.site-validation=true" \
+        --out bench/results/factory-search/digits-8px
+
+Every variant is a run-config overlay on --base. Sites train their generators with
+fedskew.factory.site (cached under OUT/generators/, keyed by the settings that shape a generator, so
+variants that differ only on the server's side reuse them); the server synthesises, trains its
+classifier (fedskew.factory.classifier) and, with factory.site-validation, asks the sites' validation
+splits through the same functions the Flower handlers call. Per variant and seed it records the test
+accuracy, balanced accuracy, per-class recall, the ratio to the same classifier recipe trained on the
+pooled real training images (the centralised bound), wall times, and per class the intensity mean /
+std of synthetic vs real images and the share of synthetic images the centralised classifier assigns
+to their class. OUT/results.json and OUT/results.md are rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.compare import parse_run_config
+from fedskew.config import RunConfig
+from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
+from fedskew.factory.classifier import ClassifierRecipe, build_classifier, train_classifier
+from fedskew.factory.library import Library, class_balanced_set, read_library, save_class_grids, write_library
+from fedskew.factory.site import train_site_generators
+from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
+from fedskew.training import evaluate, pick_device
+
+SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
+# The keys that shape a site's generator weights (everything else is the server's side; the audit's
+# sampler settings change only the recorded memorisation share, not the weights).
+GENERATOR_KEYS = ("generator", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
+
+
+def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, float]:
+    """Every site's generators (trained, or read from the cache) as one library; seconds spent training."""
+    shaping = {k: getattr(cfg.factory, k) for k in GENERATOR_KEYS}
+    key = json.dumps({"data": [cfg.dataset, cfg.image_size, cfg.partition, cfg.classes_per_site, cfg.alpha, cfg.val_fraction],
+                      "seed": cfg.seed, "sites": len(sites), **shaping}, sort_keys=True)  # fmt: skip
+    directory = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (directory / "manifest.json").is_file():
+        return read_library(directory), 0.0
+    start = time.perf_counter()
+    modules = [m for site in sites for m in train_site_generators(cfg, site, device)[0]]
+    seconds = time.perf_counter() - start
+    library = Library(tuple(sorted(modules, key=lambda m: (m.site_id, m.classes))), sites[0].num_classes,
+                      tuple(sites[0].train_images.shape[1:]), tuple(sites[0].class_names))  # fmt: skip
+    write_library(library, directory)
+    (directory / "settings.json").write_text(json.dumps({**json.loads(key), "train_seconds": seconds}, indent=2))
+    return library, seconds
+
+
+def site_answers(cfg: RunConfig, sites: list[SiteData], device: torch.device):
+    """What the Flower validation query returns, computed in-process: pooled class-level sums."""
+    shape, num_classes = tuple(sites[0].train_images.shape[1:]), sites[0].num_classes
+
+    def ask(state: dict[str, torch.Tensor]):
+        model = build_classifier(cfg.factory.classifier, shape, num_classes)
+        model.load_state_dict(state)
+        return pooled([class_scores(model, s.val_images, s.val_labels, num_classes, device) for s in sites], num_classes)
+
+    return ask
+
+
+def intensity_report(synthetic_images, synthetic_labels, real_images, real_labels, reference, device) -> dict:
+    """Per class: mean and std of pixel intensities, synthetic vs real, and the share of synthetic images
+    the real-trained classifier puts in their class."""
+    with torch.no_grad():
+        predicted = reference.to(device).eval()(torch.from_numpy(synthetic_images).to(device)).argmax(1).cpu().numpy()
+    rows = {}
+    for c in np.unique(synthetic_labels):
+        syn, real = synthetic_images[synthetic_labels == c], real_images[real_labels == c]
+        rows[int(c)] = {"synthetic_mean": float(syn.mean()), "real_mean": float(real.mean()),
+                        "synthetic_std": float(syn.std()), "real_std": float(real.std()),
+                        "real_classifier_agrees": float((predicted[synthetic_labels == c] == c).mean())}  # fmt: skip
+    return rows
+
+
+def centralised_reference(cfg: RunConfig, sites: list[SiteData], test, device) -> tuple[torch.nn.Module, dict]:
+    """The factory's classifier recipe trained on the pooled real training images of the same sites."""
+    images = np.concatenate([s.train_images for s in sites])
+    labels = np.concatenate([s.train_labels for s in sites])
+    start = time.perf_counter()
+    model, _ = train_classifier(images, labels, sites[0].num_classes, ClassifierRecipe.from_section(cfg.factory),
+                                val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
+    metrics = evaluate(model, test.test_images, test.test_labels, device=device)
+    return model, {"accuracy": metrics["accuracy"], "seconds": time.perf_counter() - start}
+
+
+def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict) -> dict:
+    device = pick_device(cfg.device)
+    sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+    test = load_task_dataset(cfg)
+    library, generator_seconds = site_library(cfg, sites, out / "generators", device)
+    ref_key = (cfg.seed, cfg.factory.classifier, cfg.factory.classifier_epochs, cfg.factory.classifier_patience, cfg.factory.augment)
+    if ref_key not in references:
+        references[ref_key] = centralised_reference(cfg, sites, test, device)
+    reference, reference_metrics = references[ref_key]
+    start = time.perf_counter()
+    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+    synthesis_seconds = time.perf_counter() - start
+    save_class_grids(synthetic, out / "samples" / f"{name}-seed{cfg.seed}")
+    checkpoints = {} if cfg.factory.site_validation else None
+    start = time.perf_counter()
+    model, stats = train_classifier(
+        synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_section(cfg.factory),
+        val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device, checkpoints=checkpoints,
+    )  # fmt: skip
+    site_report = {}
+    if checkpoints is not None:
+        state, site_report = select_and_calibrate(checkpoints, library.num_classes, site_answers(cfg, sites, device),
+                                                  cfg.factory.calibration_rounds)  # fmt: skip
+        model.load_state_dict(state)
+    classifier_seconds = time.perf_counter() - start
+    metrics = evaluate(model, test.test_images, test.test_labels, device=device)
+    real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
+    return {
+        "variant": name, "seed": cfg.seed, "accuracy": metrics["accuracy"],
+        "balanced_accuracy": metrics["balanced_accuracy"], "per_class_recall": metrics["per_class_recall"],
+        "centralised_accuracy": reference_metrics["accuracy"],
+        "ratio_to_centralised": metrics["accuracy"] / reference_metrics["accuracy"],
+        "min_class_recall": min(metrics["per_class_recall"]), "best_epoch": stats["best_epoch"],
+        "last_epoch": stats["last_epoch"], "synthetic_val_accuracy": stats["val_accuracy"],
+        "generator_seconds": generator_seconds, "synthesis_seconds": synthesis_seconds,
+        "classifier_seconds": classifier_seconds, "site_validation": site_report,
+        "intensity": intensity_report(synthetic.images, synthetic.labels, *real, reference, device),
+    }  # fmt: skip
+
+
+def summary_table(results: list[dict]) -> str:
+    """Mean ± sd over seeds per variant."""
+    columns = ("accuracy", "balanced_accuracy", "ratio_to_centralised", "min_class_recall", "centralised_accuracy",
+               "best_epoch", "last_epoch", "generator_seconds", "classifier_seconds")  # fmt: skip
+    lines = ["| variant | " + " | ".join(columns) + " | seeds |", "|---" * (len(columns) + 2) + "|"]
+    for name in dict.fromkeys(r["variant"] for r in results):
+        rows = [r for r in results if r["variant"] == name]
+        cells = []
+        for column in columns:
+            values = [float(r[column]) for r in rows]
+            sd = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.mean(values):.3f}{sd}")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {','.join(str(r['seed']) for r in rows)} |")
+    recall = ["", "Per-class recall (mean over seeds):", "", "| variant | " + " | ".join(str(c) for c in range(len(results[0]["per_class_recall"]))) + " |",
+              "|---" * (len(results[0]["per_class_recall"]) + 1) + "|"]  # fmt: skip
+    for name in dict.fromkeys(r["variant"] for r in results):
+        per_class = np.mean([r["per_class_recall"] for r in results if r["variant"] == name], axis=0)
+        recall.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in per_class) + " |")
+    return "\n".join(lines + recall) + "\n"
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, sep, overlay = text.partition(":")
+    if not sep or not name.strip():
+        raise SystemExit(f"--variant {text!r}: expected 'NAME: key=value ...'")
+    return name.strip(), parse_run_config(overlay)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--image-size", type=int, default=0)
+    parser.add_argument("--num-sites", type=int, default=10)
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--base", default="", help="run-config overlay shared by every variant (after the silo partition)")
+    parser.add_argument("--variant", action="append", required=True, help="'NAME: key=value ...' (repeatable)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else []
+    done = {(r["variant"], r["seed"]) for r in results}
+    references: dict = {}
+    base = {**SILOS, "dataset": args.dataset, "image-size": args.image_size, **parse_run_config(args.base)}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name, overlay in map(parse_variant, args.variant):
+            if (name, seed) in done:
+                continue
+            cfg = RunConfig.from_run_config({**base, "method": "factory", "seed": seed, **overlay})
+            result = run_variant(cfg, args.num_sites, args.out, name, references)
+            result["run_config"] = {**base, **overlay}
+            results.append(result)
+            path.write_text(json.dumps(results, indent=1) + "\n")
+            (args.out / "results.md").write_text(summary_table(results))
+            print(f"{name} seed {seed}: accuracy {result['accuracy']:.4f}, ratio {result['ratio_to_centralised']:.3f}, "
+                  f"min recall {result['min_class_recall']:.2f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

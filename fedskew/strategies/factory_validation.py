@@ -1,0 +1,77 @@
+"""Flower transport for fedskew.factory.site_validation: the server's candidate classifier goes to
+every site in a query message (its weights packed as for the generators), the site's class-level
+sums come back as a MetricRecord."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Message, MetricRecord, RecordDict
+
+from fedskew.config import RunConfig
+from fedskew.data.sites import SiteData
+from fedskew.factory.classifier import build_classifier, check_expert_weights
+from fedskew.factory.library import UploadRejected
+from fedskew.factory.site_validation import AskSites, ClassScores, class_scores, pooled, select_and_calibrate
+from fedskew.strategies.factory import FactoryFlow, TaskLike, packed_weights, unpacked_weights
+
+VALIDATION_MESSAGE = "query.factory_validation"
+CLASSIFIER_KEY = "classifier"
+SCORES_KEY = "scores"
+
+
+def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
+    """At a site: the class-level sums of the server's classifier on the site's validation split."""
+    if CLASSIFIER_KEY not in content.array_records:
+        raise UploadRejected("the validation query carries no classifier weights")
+    state = unpacked_weights(content[CLASSIFIER_KEY], "the server's classifier")
+    model = build_classifier(cfg.factory.classifier, tuple(site.train_images.shape[1:]), site.num_classes)
+    check_expert_weights(state, model.state_dict())
+    model.load_state_dict(state)
+    scores = class_scores(model, site.val_images, site.val_labels, site.num_classes, device)
+    return RecordDict({SCORES_KEY: MetricRecord(scores.to_metrics())})
+
+
+def asking(flow: FactoryFlow, node_ids: list[int], num_classes: int) -> AskSites:
+    """Sends weights to every site and pools the replies that parse (a malformed one is left out, named)."""
+
+    def ask(state: dict[str, torch.Tensor]) -> ClassScores:
+        messages = [
+            Message(RecordDict({CLASSIFIER_KEY: packed_weights(state)}), dst_node_id=node, message_type=VALIDATION_MESSAGE)
+            for node in node_ids
+        ]
+        replies = []
+        for reply in flow.exchange(1, messages):
+            source = f"site node {reply.metadata.src_node_id}"
+            try:
+                if SCORES_KEY not in reply.content.metric_records:
+                    raise ValueError(f"{source}: the validation reply has no '{SCORES_KEY}' record")
+                replies.append(ClassScores.from_metrics(dict(reply.content[SCORES_KEY]), num_classes, source))
+            except ValueError as err:
+                print(f"left out of site validation: {err}", flush=True)
+        if not replies:
+            raise RuntimeError("no site returned usable validation scores for the server's classifier")
+        return pooled(replies, num_classes)
+
+    return ask
+
+
+def validate_at_sites(
+    flow: FactoryFlow,
+    node_ids: list[int],
+    model: torch.nn.Module,
+    checkpoints: dict[int, dict[str, torch.Tensor]],
+    cfg: RunConfig,
+    task: TaskLike,
+) -> tuple[torch.nn.Module, dict]:
+    """`model` loaded with the checkpoint the sites' real validation images prefer, output biases
+    calibrated on them; and the report of what they measured."""
+    state, report = select_and_calibrate(
+        checkpoints, task.num_classes, asking(flow, node_ids, task.num_classes), cfg.factory.calibration_rounds
+    )
+    model.load_state_dict(state)
+    print(
+        f"site validation: epoch {report['chosen_epoch']} chosen, balanced accuracy on the sites' real "
+        f"validation images {report['site_val_balanced_accuracy']:.4f}",
+        flush=True,
+    )
+    return model, report

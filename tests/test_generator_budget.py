@@ -1,0 +1,53 @@
+"""Generator budget in images seen: the lr schedule reaches its reference value at every class size,
+and the CPU preset grows with the image instead of reusing the 8 px architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedskew.config import RunConfig
+from fedskew.factory.site import generator_config
+from fedskew.models.edm2 import CPU_PRESET, GPU_PRESET_32PX, build_generator, learning_rate
+
+
+def lr_at_step(config, step: int) -> float:
+    """The lr train_generator sets before `step` (1-based; it counts the current batch)."""
+    return learning_rate(step * config.batch_size, config.ref_lr, config.t_ref, config.t_rampup)
+
+
+def peak_lr(config) -> float:
+    """The schedule rises until the ramp-up ends and never rises after it, so the peak is at the first
+    step whose images seen reach t_rampup (or at the last step when the run ends first)."""
+    ramp_end = max(1, -(-config.t_rampup // config.batch_size))
+    return lr_at_step(config, min(ramp_end, config.total_steps))
+
+
+@pytest.mark.parametrize(("class_size", "batch"), [(50, 32), (1000, 512), (10_000, 4096)])
+def test_gpu_preset_sees_25m_images_and_reaches_the_reference_lr_at_every_class_size(class_size, batch):
+    factory = RunConfig.from_run_config({"factory.generator": "gpu-32px"}).factory
+    config = generator_config(factory, (3, 32, 32), label_dim=0, n_images=class_size, seed=0)
+    assert config.batch_size == batch
+    # Budget in images seen: 25 M whatever the batch, at most one batch more.
+    assert 25_000_000 <= config.total_steps * config.batch_size < 25_000_000 + batch
+    assert peak_lr(config) == pytest.approx(GPU_PRESET_32PX.ref_lr, rel=1e-12)
+
+
+def test_a_budget_in_images_is_kept_when_the_batch_changes():
+    factory = RunConfig.from_run_config({"factory.generator-images": 64_000}).factory
+    small, large = (generator_config(factory, (1, 8, 8), 0, n, 0) for n in (40, 1000))
+    assert (small.batch_size, large.batch_size) == (32, 64)
+    assert small.total_steps * 32 == large.total_steps * 64 == 64_000
+    for config in (small, large):
+        assert peak_lr(config) == pytest.approx(CPU_PRESET.ref_lr)
+
+
+@pytest.mark.parametrize(("side", "mult", "attention"), [(8, (1, 2), (4,)), (28, (1, 2, 2), (7,)), (32, (1, 2, 2), (8,)), (64, (1, 2, 2, 2), (8,))])
+def test_cpu_preset_adds_levels_until_the_deepest_is_at_most_8_px(side, mult, attention):
+    factory = RunConfig.from_run_config({}).factory
+    config = generator_config(factory, (1, side, side), 0, 360, 0)
+    assert (config.channel_mult, config.attn_resolutions) == (mult, attention)
+    levels_added = len(mult) - len(CPU_PRESET.channel_mult)
+    assert config.total_images == CPU_PRESET.total_images + levels_added * 200 * CPU_PRESET.batch_size
+    if side == 8:  # the 8 px defaults are unchanged
+        assert config == generator_config(factory, (1, 8, 8), 0, 360, 0) and config.num_blocks == CPU_PRESET.num_blocks
+    build_generator(config)  # a valid architecture at that size
