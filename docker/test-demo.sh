@@ -10,7 +10,7 @@
 # starts Docker (Debian's docker.io, docker-compose) when absent. Where Docker Hub cannot be reached it
 # builds LOCAL STAND-INS for flwr/superlink, flwr/supernode and flwr/superexec (docker/standins/Dockerfile)
 # on a Debian base made with debootstrap. Each step prints its duration; a failure names the step.
-# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), DEMO_KEEP=1 keeps the work folder.
+# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), WHEEL_PORT (18089), DEMO_KEEP=1 keeps the work folder.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -76,6 +76,7 @@ teardown() {
   exit "$rc"
 }
 trap teardown EXIT
+trap 'exit 143' TERM INT  # so that the EXIT trap tears down after a kill too
 
 # --- steps ---------------------------------------------------------------------------------------------
 
@@ -135,10 +136,9 @@ torch_source() {  # PyTorch's CPU index when reachable, else a CPU wheel pip alr
   wheel=$(python3 -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | head -1)
   wheel=$(ls "${wheel:-/nonexistent}"/torch-*+cpu-cp311-*.whl 2>/dev/null | sort -V | tail -1 || true)
   [ -n "$wheel" ] || fail "download.pytorch.org is unreachable and pip has no local CPU torch wheel: set TORCH_INDEX_URL/TORCH_FIND_LINKS"
-  local version minor port
+  local version minor port=${WHEEL_PORT:-18089}  # a fixed port: the URL is a build argument, part of the cache key
   version=$(basename "$wheel" | cut -d- -f2)      # e.g. 2.13.0+cpu
   minor=$(echo "$version" | cut -d. -f2)
-  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   python3 -m http.server --bind 127.0.0.1 --directory "$(dirname "$wheel")" "$port" >/dev/null 2>&1 &
   WHEEL_SERVER=$!
   # torchvision 0.(minor+15) is the release paired with torch 2.minor; it comes from PyPI.
