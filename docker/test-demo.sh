@@ -10,7 +10,7 @@
 # starts Docker (Debian's docker.io, docker-compose) when absent. Where Docker Hub cannot be reached it
 # builds LOCAL STAND-INS for flwr/superlink, flwr/supernode and flwr/superexec (docker/standins/Dockerfile)
 # on a Debian base made with debootstrap. Each step prints its duration; a failure names the step.
-# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), WHEEL_PORT (18089), DEMO_KEEP=1 keeps the work folder.
+# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), DEMO_KEEP=1 keeps the work folder.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,7 +25,6 @@ SITE_IDS=(0 1 2)
 BASE_IMAGE=fedskew/debian-bookworm:base
 STANDIN_NOTE=""
 STARTED_DOCKERD=""
-WHEEL_SERVER=""
 HOST_IP=127.0.0.1 SITE_DATASET=fednca APP_SPEC="" RUN_ID="" RUN_STATUS="" RUN_DETAILS=""
 current="start"
 timings=()
@@ -67,7 +66,6 @@ teardown() {
     for k in "${SITE_IDS[@]}"; do compose_site "$k" down -v >/dev/null 2>&1; done
     compose_server down -v >/dev/null 2>&1
   fi
-  [ -n "$WHEEL_SERVER" ] && kill "$WHEEL_SERVER" 2>/dev/null
   [ -n "$STARTED_DOCKERD" ] && kill "$STARTED_DOCKERD" 2>/dev/null
   if [ "$rc" -ne 0 ] || [ -n "${DEMO_KEEP:-}" ]; then log "work folder kept: $WORK"; else rm -rf "$WORK"; fi
   log "step durations:"
@@ -128,23 +126,15 @@ flower_images() {
   done
 }
 
-torch_source() {  # PyTorch's CPU index when reachable, else a CPU wheel pip already has on this machine
+torch_source() {  # PyTorch's CPU wheels when download.pytorch.org answers, else PyPI's (CUDA-enabled) wheels
   if timeout 20 python3 -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=15)" 2>/dev/null; then
     return 0
   fi
-  local wheel
-  wheel=$(python3 -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | head -1)
-  wheel=$(ls "${wheel:-/nonexistent}"/torch-*+cpu-cp311-*.whl 2>/dev/null | sort -V | tail -1 || true)
-  [ -n "$wheel" ] || fail "download.pytorch.org is unreachable and pip has no local CPU torch wheel: set TORCH_INDEX_URL/TORCH_FIND_LINKS"
-  local version minor port=${WHEEL_PORT:-18089}  # a fixed port: the URL is a build argument, part of the cache key
-  version=$(basename "$wheel" | cut -d- -f2)      # e.g. 2.13.0+cpu
-  minor=$(echo "$version" | cut -d. -f2)
-  python3 -m http.server --bind 127.0.0.1 --directory "$(dirname "$wheel")" "$port" >/dev/null 2>&1 &
-  WHEEL_SERVER=$!
-  # torchvision 0.(minor+15) is the release paired with torch 2.minor; it comes from PyPI.
-  export TORCH_INDEX_URL=https://pypi.org/simple TORCH_FIND_LINKS="http://127.0.0.1:$port/"
-  export TORCH_REQUIREMENTS="torch==$version torchvision==0.$((minor + 15)).*"
-  log "torch: $version from $(dirname "$wheel") (this machine's CPU wheel), torchvision from PyPI"
+  # The pair installed here, so that torchvision matches torch (PyPI has no CPU-only torchvision for Linux).
+  local pair
+  pair=$(python3 -c "import torch, torchvision as v; print(f'torch=={torch.__version__.split(\"+\")[0]} torchvision=={v.__version__.split(\"+\")[0]}')")
+  export TORCH_INDEX_URL=https://pypi.org/simple TORCH_REQUIREMENTS="$pair"
+  log "download.pytorch.org is unreachable: $pair from PyPI (the CUDA build, about 2 GB more than the CPU wheels)"
 }
 
 app_images() {
