@@ -186,9 +186,13 @@ class SuperLink:
         ca_cert = self.tls.ca_cert if self.tls else None
         (self.home / "config.toml").write_text(connection_toml(self.connection, self.address, ca_cert))
         self.process = FlowerProcess("flower-superlink", self.command(), self.env, self.home / "superlink.log").start()
-        wait_healthy(self.process, self.address, ca_cert, timeout)
-        if self.proxy:
-            self.proxy.start(timeout)
+        try:
+            wait_healthy(self.process, self.address, ca_cert, timeout)
+            if self.proxy:
+                self.proxy.start(timeout)
+        except BaseException:
+            self.stop()  # `with` never reaches __exit__ when __enter__ raises
+            raise
         return self
 
     def stop(self) -> None:

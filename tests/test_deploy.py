@@ -307,16 +307,41 @@ def _round_done(results: Path, server_round: int) -> bool:
 
 # --- docker ----------------------------------------------------------------------------------------------
 
-COMPOSE_FILES = [["compose.yml"], ["compose.tls.yml"], ["compose.yml", "compose.gpu.yml"]]
+SERVER_ENV = {"CERTS_DIR": "/srv/fedskew/certs", "APP_INDEX_DIR": "/srv/fedskew/app-index",
+              "SERVER_TEST_DATA": "/srv/fedskew/server-test"}  # fmt: skip
+SITE_ENV = {"SUPERLINK_ADDRESS": "fl.hospital-network.org:9443", "SITE_DATA": "/srv/fedskew/site",
+            "SITE_KEY": "/etc/fedskew/site-2", "CA_CERT": "/etc/fedskew/ca.crt",
+            "TRUSTED_ENTITIES": "/etc/fedskew/trusted-entities.yaml", "SITE_ID": "2", "NUM_SITES": "3"}  # fmt: skip
+COMPOSE_FILES = {"server": (["server.yml"], SERVER_ENV), "site": (["site.yml"], SITE_ENV),
+                 "site+gpu": (["site.yml", "site.gpu.yml"], SITE_ENV)}  # fmt: skip
 EXECUTABLE = {"superlink": "flower-superlink", "supernode": "flower-supernode", "superexec": "flower-superexec"}
 
 
+def compose_services(name: str, env: dict[str, str]) -> dict:
+    """A compose file's services with ${VAR}, ${VAR:-default} and ${VAR:?message} filled in from `env`."""
+
+    def fill(match: re.Match) -> str:
+        var, op, arg = match.group(1), match.group(2), match.group(3)
+        if var in env:
+            return env[var]
+        assert op != ":?", f"{name} requires {var}"
+        return arg if op == ":-" else ""
+
+    text = re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", fill, (DOCKER / name).read_text())
+    return yaml.safe_load(text)["services"]
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
-@pytest.mark.parametrize("files", COMPOSE_FILES, ids="+".join)
-def test_compose_files_validate(files):
+@pytest.mark.parametrize("what", COMPOSE_FILES)
+def test_compose_files_validate_and_name_a_missing_setting(what):
+    files, env = COMPOSE_FILES[what]
     args = [arg for name in files for arg in ("-f", str(DOCKER / name))]
-    checked = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True)
+    checked = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True, env={**os.environ, **env})
     assert checked.returncode == 0, checked.stderr
+    missing = next(iter(env))
+    without = {k: v for k, v in os.environ.items() if k not in env} | {k: v for k, v in env.items() if k != missing}
+    refused = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True, env=without)
+    assert refused.returncode != 0 and f"set {missing} to" in refused.stderr, refused.stderr
 
 
 @pytest.fixture(scope="module")
@@ -327,30 +352,101 @@ def accepted():
     return {kind: set(re.findall(r"(--[a-z][a-z0-9-]*)", text)) for kind, text in shown.items()}
 
 
-@pytest.mark.parametrize("name", ["compose.yml", "compose.tls.yml"])
-def test_every_service_command_uses_flags_the_installed_flower_accepts(name, accepted):
-    services = yaml.safe_load((DOCKER / name).read_text())["services"]
-    sites = 0
+def _option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize("what", ["server", "site"])
+def test_every_service_command_uses_flags_the_installed_flower_accepts(what, accepted):
+    files, env = COMPOSE_FILES[what]
+    services = compose_services(files[0], env)
     for service, spec in services.items():
+        if "build" in spec:
+            assert spec["build"]["args"].get("FLWR_VERSION", flwr.__version__) == flwr.__version__, service
+        if "image" in spec and spec["image"].startswith("flwr/"):
+            assert spec["image"].endswith(f":{flwr.__version__}"), f"{service} image tag != installed flwr"
+        if "command" not in spec:
+            continue
         kind = service.split("-")[0]
         command = [str(token) for token in spec["command"]]
         unknown = [t for t in command if t.startswith("--") and t.split("=")[0] not in accepted[kind]]
-        assert not unknown, f"{name} {service}: {EXECUTABLE[kind]} does not accept {unknown}"
+        assert not unknown, f"{what} {service}: {EXECUTABLE[kind]} does not accept {unknown}"
         if "--isolation" in command:
-            assert command[command.index("--isolation") + 1] == "process"
+            assert _option(command, "--isolation") == "process"
+        if kind == "superlink":
+            assert "--enable-supernode-auth" in command and _option(command, "--host") == "0.0.0.0"
+            assert _option(command, "--database").startswith("state/")  # the volume mounted at /app/state
+            assert spec["environment"]["FLWR_SUPERGRID_API_URL"] == "http://app-index:8090"
         if kind == "supernode":
-            node_config = parse_config_args([command[command.index("--node-config") + 1]])
-            assert node_config["data-dir"] == "/data/site" and node_config["site-id"] == sites
-            sites += 1
-        if "image" in spec and "flwr/" in spec["image"]:
-            assert spec["image"].endswith(f"{flwr.__version__}}}"), f"{service} image tag != installed flwr"
-    assert sites == 3
+            node_config = parse_config_args([_option(command, "--node-config")])
+            assert node_config == {"data-dir": "/data/site", "site-id": 2, "num-sites": 3}
+            assert _option(command, "--superlink") == SITE_ENV["SUPERLINK_ADDRESS"]
+            assert "--trusted-entities" in command and "--auth-supernode-private-key" in command
+    if what == "site":  # a site stands alone: nothing of the server's project
+        assert set(services) == {"supernode", "superexec-clientapp"}
+        assert all("depends_on" not in spec for spec in services.values())
 
 
-def test_the_app_image_extends_the_installed_flower_superexec():
+def test_no_private_key_is_mounted_or_sent_where_it_is_not_needed():
+    mounts = {}
+    for what in ("server", "site"):
+        files, env = COMPOSE_FILES[what]
+        for service, spec in compose_services(files[0], env).items():
+            mounts[service] = [volume.split(":")[0] for volume in spec.get("volumes", [])]
+    everywhere = [source for sources in mounts.values() for source in sources]
+    assert not [m for m in everywhere if m.endswith(("ca.key", "app-signing"))], "the CA key and the app-signing key stay offline"
+    server_key = f"{SERVER_ENV['CERTS_DIR']}/server.key"
+    assert sorted(s for s, sources in mounts.items() if server_key in sources) == ["fleet-proxy", "superlink"]
+    assert [s for s, sources in mounts.items() if SITE_ENV["SITE_KEY"] in sources] == ["supernode"]
+    assert [s for s, sources in mounts.items() if SITE_ENV["SITE_DATA"] in sources] == ["superexec-clientapp"]
+    # Build contexts: the repository root sends the app's sources only; docker/ sends the proxy template only.
+    def patterns(path):
+        return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+
+    assert patterns(REPO / ".dockerignore")[:1] == ["*"] and set(patterns(REPO / ".dockerignore")[1:]) == {
+        "!pyproject.toml", "!README.md", "!LICENSE", "!fedskew/", "**/__pycache__"}  # fmt: skip
+    assert patterns(DOCKER / ".dockerignore") == ["*", "!fleet-proxy.conf.template"]
+    assert patterns(DOCKER / "standins" / ".dockerignore") == ["*"]
+
+
+def test_the_images_extend_the_installed_flower_version():
     dockerfile = (DOCKER / "Dockerfile").read_text()
     assert f"ARG FLWR_VERSION={flwr.__version__}" in dockerfile and "FROM flwr/superexec:${FLWR_VERSION}" in dockerfile
     assert 'ENTRYPOINT ["flower-superexec"]' in dockerfile
+    standins = (DOCKER / "standins" / "Dockerfile").read_text()
+    assert f"ARG FLWR_VERSION={flwr.__version__}" in standins and '"flwr==${FLWR_VERSION}"' in standins
+    assert "--uid 49999 --gid 49999 --home-dir /app" in standins and "USER app" in standins
+    for kind, exe in EXECUTABLE.items():
+        assert f'FROM flower AS {kind}\nENTRYPOINT ["{exe}"]' in standins
+
+
+def test_the_fleet_proxy_image_fills_in_every_placeholder_of_the_template():
+    placeholders = set(re.findall(r"\$\{(\w+)\}", (DOCKER / "fleet-proxy.conf.template").read_text()))
+    entrypoint = (DOCKER / "Dockerfile.fleet-proxy").read_text()
+    filled = set(re.findall(r"\$(\w+)", re.search(r"envsubst '([^']*)'", entrypoint).group(1)))
+    assert filled == placeholders
+    proxy_env = compose_services("server.yml", SERVER_ENV)["fleet-proxy"]["environment"]
+    assert placeholders - {"RUN_DIR"} == set(proxy_env)  # RUN_DIR is set in the image
+
+
+def test_flwr_reads_the_tls_connection_the_deployment_writes(tmp_path, monkeypatch):
+    """Flower 1.42 refuses a relative root-certificates path; connection_toml writes the absolute one."""
+    import click
+    from flwr.cli.flower_config import read_superlink_connection
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "certs").mkdir()
+    (tmp_path / "certs" / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(connection_toml("demo", "127.0.0.1:9093", Path("certs/ca.crt")))
+    monkeypatch.setenv("FLWR_HOME", str(home))
+    connection = read_superlink_connection("demo")
+    assert connection.address == "127.0.0.1:9093" and not connection.insecure
+    assert connection.root_certificates == str(tmp_path / "certs" / "ca.crt")
+    (home / "config.toml").write_text((home / "config.toml").read_text().replace(str(tmp_path) + "/", ""))
+    with pytest.raises(click.ClickException, match="expected absolute path"):
+        read_superlink_connection("demo")
 
 
 def test_node_config_strings_round_trip_through_flowers_parser(tmp_path):

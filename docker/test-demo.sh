@@ -1,0 +1,277 @@
+#!/usr/bin/env bash
+# The docker-compose demo, for real, on one host: one coordinating centre (docker/server.yml) and three
+# hospital sites (docker/site.yml, one compose project each) with TLS, SuperNode authentication, the fleet
+# proxy and app signing. It registers the sites, runs a 2-round FedNCA-ML and a tiny FederatedFactory run
+# of the signed app to finished:completed with results written, shows that a site cannot use the Control
+# API and that every site refuses an unsigned app, then tears everything down (images are kept).
+#
+# Usage (as root, from anywhere):  bash docker/test-demo.sh
+# Needs: python3 with this project and flwr installed (pip install -e .), openssl, ssh-keygen. Installs and
+# starts Docker (Debian's docker.io, docker-compose) when absent. Where Docker Hub cannot be reached it
+# builds LOCAL STAND-INS for flwr/superlink, flwr/supernode and flwr/superexec (docker/standins/Dockerfile)
+# on a Debian base made with debootstrap. Each step prints its duration; a failure names the step.
+# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), DEMO_KEEP=1 keeps the work folder.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+cd "$REPO"
+export FLWR_VERSION=${FLWR_VERSION:-$(python3 -c "import flwr; print(flwr.__version__)")}
+export FLEET_PORT=${FLEET_PORT:-9443} CONTROL_PORT=${CONTROL_PORT:-9093}
+export FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0 COMPOSE_HTTP_TIMEOUT=300
+WORK=$(mktemp -d /tmp/fedskew-demo.XXXXXX)
+export FLWR_HOME=$WORK/flwr-home  # the operator's flwr CLI
+SERVER=fedskew-demo-server
+SITE_IDS=(0 1 2)
+BASE_IMAGE=fedskew/debian-bookworm:base
+STANDIN_NOTE=""
+STARTED_DOCKERD=""
+HOST_IP=127.0.0.1 SITE_DATASET=fednca APP_SPEC="" RUN_ID="" RUN_STATUS="" RUN_DETAILS=""
+current="start"
+timings=()
+
+log() { echo "[test-demo] $*"; }
+fail() { echo "[test-demo] $*" >&2; return 1; }
+
+run_step() {
+  local name=$1 t0
+  shift
+  current=$name
+  t0=$(date +%s)
+  log "==> $name"
+  "$@"
+  timings+=("$(printf '%-34s %5d s' "$name" $(($(date +%s) - t0)))")
+  log "<== $name: $(($(date +%s) - t0)) s"
+}
+
+compose_server() { docker-compose -p "$SERVER" -f docker/server.yml "$@"; }
+compose_site() { local k=$1; shift; site_env "$k"; docker-compose -p "fedskew-demo-site-$k" -f docker/site.yml "$@"; }
+site_env() {
+  export SUPERLINK_ADDRESS="$HOST_IP:$FLEET_PORT" SITE_KEY="$WORK/keys/site-$1" CA_CERT="$WORK/certs/ca.crt"
+  export TRUSTED_ENTITIES="$WORK/app-key/trusted-entities.yaml" SITE_ID=$1 NUM_SITES=${#SITE_IDS[@]}
+  export SITE_DATA="$WORK/$SITE_DATASET/site-$1"
+}
+
+teardown() {
+  local rc=$?
+  set +eu
+  server_env
+  if [ "$rc" -ne 0 ]; then
+    echo "[test-demo] FAILED at step: $current (exit $rc)" >&2
+    if command -v docker-compose >/dev/null && docker info >/dev/null 2>&1; then
+      compose_server logs --tail 40 2>&1 | tail -120 >&2
+      for k in "${SITE_IDS[@]}"; do compose_site "$k" logs --tail 20 2>&1 | tail -40 >&2; done
+    fi
+  fi
+  if command -v docker-compose >/dev/null && docker info >/dev/null 2>&1; then
+    for k in "${SITE_IDS[@]}"; do compose_site "$k" down -v >/dev/null 2>&1; done
+    compose_server down -v >/dev/null 2>&1
+  fi
+  [ -n "$STARTED_DOCKERD" ] && kill "$STARTED_DOCKERD" 2>/dev/null
+  if [ "$rc" -ne 0 ] || [ -n "${DEMO_KEEP:-}" ]; then log "work folder kept: $WORK"; else rm -rf "$WORK"; fi
+  log "step durations:"
+  printf '  %s\n' "${timings[@]}"
+  [ -n "$STANDIN_NOTE" ] && log "$STANDIN_NOTE"
+  exit "$rc"
+}
+trap teardown EXIT
+trap 'exit 143' TERM INT  # so that the EXIT trap tears down after a kill too
+
+# --- steps ---------------------------------------------------------------------------------------------
+
+docker_ready() {
+  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null; then
+    [ "$(id -u)" = 0 ] || fail "Docker is not installed and this is not root: install docker.io and docker-compose"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose >/dev/null
+  fi
+  if ! docker info >/dev/null 2>&1; then
+    [ "$(id -u)" = 0 ] || fail "the Docker daemon is not running and this is not root: start dockerd"
+    nohup dockerd >"$WORK/dockerd.log" 2>&1 &
+    STARTED_DOCKERD=$!
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    docker info >/dev/null 2>&1 || fail "dockerd did not start; its log: $(tail -5 "$WORK/dockerd.log")"
+  fi
+  HOST_IP=$(hostname -I 2>/dev/null | awk '{print $1}')
+  [ -n "$HOST_IP" ] || fail "cannot tell this host's IP address (hostname -I)"
+  log "docker $(docker version --format '{{.Server.Version}}'), $(docker-compose version --short); sites reach the server at $HOST_IP:$FLEET_PORT"
+}
+
+debian_base() {  # a Debian 12 root filesystem as a docker image, trusting what this host trusts
+  docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 && return 0
+  command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null; }
+  local root=$WORK/rootfs
+  nice debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" \
+    http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 || fail "debootstrap failed: $(tail -3 "$WORK/debootstrap.log")"
+  if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then  # e.g. a TLS-inspecting proxy's CA
+    cp /usr/local/share/ca-certificates/*.crt "$root/usr/local/share/ca-certificates/"
+    chroot "$root" update-ca-certificates >/dev/null
+  fi
+  rm -rf "$root"/var/cache/apt/archives/*.deb
+  tar -C "$root" -c . | docker import - "$BASE_IMAGE" >/dev/null
+  rm -rf "$root"
+}
+
+flower_images() {
+  local missing=()
+  for kind in superlink supernode superexec; do
+    docker image inspect "flwr/$kind:$FLWR_VERSION" >/dev/null 2>&1 && continue
+    timeout 120 docker pull -q "flwr/$kind:$FLWR_VERSION" >/dev/null 2>&1 || missing+=("$kind")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  STANDIN_NOTE="flwr/{${missing[*]}}:$FLWR_VERSION could not be pulled: the demo ran on LOCAL STAND-INS (docker/standins/Dockerfile), not the official images"
+  log "$STANDIN_NOTE"
+  debian_base
+  for kind in "${missing[@]}"; do
+    nice docker build -q --network host --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg FLWR_VERSION="$FLWR_VERSION" \
+      --target "$kind" -t "flwr/$kind:$FLWR_VERSION" docker/standins >/dev/null
+  done
+}
+
+torch_source() {  # PyTorch's CPU wheels when download.pytorch.org answers, else PyPI's (CUDA-enabled) wheels
+  if timeout 20 python3 -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=15)" 2>/dev/null; then
+    return 0
+  fi
+  # The pair installed here, so that torchvision matches torch (PyPI has no CPU-only torchvision for Linux).
+  local pair
+  pair=$(python3 -c "import torch, torchvision as v; print(f'torch=={torch.__version__.split(\"+\")[0]} torchvision=={v.__version__.split(\"+\")[0]}')")
+  export TORCH_INDEX_URL=https://pypi.org/simple TORCH_REQUIREMENTS="$pair"
+  log "download.pytorch.org is unreachable: $pair from PyPI (the CUDA build, about 2 GB more than the CPU wheels)"
+}
+
+app_images() {
+  torch_source
+  docker image inspect debian:bookworm-slim >/dev/null 2>&1 || timeout 120 docker pull -q debian:bookworm-slim >/dev/null 2>&1 \
+    || { debian_base; export PROXY_BASE_IMAGE=$BASE_IMAGE; }
+  server_env
+  nice docker-compose -p "$SERVER" -f docker/server.yml build -q
+}
+
+server_env() {
+  export CERTS_DIR="$WORK/certs" APP_INDEX_DIR="$WORK/app-index" SERVER_TEST_DATA="$WORK/server-test"
+}
+
+pki_and_data() {
+  docker/certs.sh "$WORK/certs" "IP:$HOST_IP" >/dev/null
+  docker/keys.sh "$WORK/keys" site-0 site-1 site-2 >/dev/null
+  docker/app-key.sh "$WORK/app-key" >/dev/null
+  # What the containers read (uid 49999); ca.key and the app-signing key stay root's and are never mounted.
+  chown 49999:49999 "$WORK/certs/ca.crt" "$WORK/certs/server.pem" "$WORK/certs/server.key" "$WORK/keys"/site-? \
+    "$WORK/app-key/trusted-entities.yaml"
+  python3 -m fedskew.cli prepare-sites --sites 3 --dataset digits --mosaic-grid 2 --partition multilabel-skew \
+    --alpha 0.1 --missing-classes 3 --seed 0 --out "$WORK/fednca" >/dev/null
+  python3 -m fedskew.cli prepare-sites --sites 3 --dataset digits --mosaic-grid 0 --partition classes-per-site \
+    --classes-per-site 4 --seed 0 --out "$WORK/factory" >/dev/null
+  mkdir -p "$WORK/server-test"
+  mv "$WORK/fednca/server-test" "$WORK/server-test/fednca"
+  mv "$WORK/factory/server-test" "$WORK/server-test/factory"
+  python3 -m fedskew.cli sign-app "$REPO" --key "$WORK/app-key/app-signing" --index "$WORK/app-index"
+  APP_SPEC=$(python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); print(f\"@{p['tool']['flwr']['app']['publisher']}/{p['project']['name']}=={p['project']['version']}\")")
+  # The operator's connection: the SuperLink's own port on this host; Flower wants an absolute CA path.
+  write_connection "$FLWR_HOME" "127.0.0.1:$CONTROL_PORT"
+  # A site's view: the fleet proxy, with the CA certificate only.
+  write_connection "$WORK/site-home" "$HOST_IP:$FLEET_PORT"
+}
+
+write_connection() {  # FLWR_HOME, address: a config.toml whose default connection uses TLS with the demo's CA
+  mkdir -p "$1"
+  python3 -c "import sys; from fedskew.deploy import connection_toml; print(connection_toml(*sys.argv[1:]), end='')" \
+    fedskew-demo "$2" "$WORK/certs/ca.crt" >"$1/config.toml"
+}
+
+server_up() {
+  server_env
+  compose_server up -d
+  for _ in $(seq 120); do flwr ls fedskew-demo >/dev/null 2>&1 && return 0; sleep 1; done
+  fail "the SuperLink's Control API did not answer at 127.0.0.1:$CONTROL_PORT"
+}
+
+register_sites() {
+  for k in "${SITE_IDS[@]}"; do flwr supernode register "$WORK/keys/site-$k.pub" fedskew-demo; done
+}
+
+online_sites() {
+  flwr supernode list fedskew-demo --format json |
+    python3 -c "import json, sys; print(sum(n['status'] == 'online' for n in json.load(sys.stdin)['nodes']))"
+}
+
+sites_up() {
+  SITE_DATASET=$1
+  for k in "${SITE_IDS[@]}"; do compose_site "$k" up -d; done
+  for _ in $(seq 180); do [ "$(online_sites)" = "${#SITE_IDS[@]}" ] && return 0; sleep 1; done
+  fail "only $(online_sites) of ${#SITE_IDS[@]} SuperNodes online"
+}
+
+site_position_refused() {
+  local out
+  for args in "ls fedskew-demo" "supernode register $WORK/keys/site-0.pub fedskew-demo" "run $REPO fedskew-demo"; do
+    # shellcheck disable=SC2086
+    if out=$(FLWR_HOME=$WORK/site-home flwr $args 2>&1); then fail "a site could run 'flwr $args': $out"; fi
+    grep -q "403 Forbidden" <<<"$out" || fail "'flwr $args' from a site failed, but not with 403: $out"
+  done
+  log "a site's flwr ls / supernode register / run: 403 Forbidden from the fleet proxy"
+}
+
+run_status() {  # status and details of run $1
+  flwr ls fedskew-demo --run-id "$1" --format json |
+    python3 -c "import json, sys; r = json.load(sys.stdin)['runs'][0]; print(r['status']); print(r['status-details'])"
+}
+
+flwr_run() {  # app, run config: starts the run, waits until it finished; sets RUN_ID, RUN_STATUS, RUN_DETAILS
+  local out status
+  out=$(flwr run "$1" fedskew-demo --run-config "$2" --format json)
+  RUN_ID=$(python3 -c "import json, sys; print(json.loads(sys.argv[1])['run-id'])" "$out") || fail "flwr run: $out"
+  for _ in $(seq 900); do
+    status=$(run_status "$RUN_ID")
+    case "$status" in finished:*) break ;; esac
+    sleep 2
+  done
+  RUN_STATUS=$(head -1 <<<"$status")
+  RUN_DETAILS=$(tail -n +2 <<<"$status")
+}
+
+results_completed() {  # results sub-folder of the ServerApp's results volume
+  local summary
+  summary=$(compose_server exec -T superexec-serverapp sh -c "cat /app/results/$1/*/summary.json")
+  grep -q '"status": "completed"' <<<"$summary" || fail "no completed summary.json under /app/results/$1: $summary"
+}
+
+fednca_run() {
+  flwr_run "$APP_SPEC" "method='fednca' num-server-rounds=2 batch-size=64 min-site-size=5 local-epochs=1 \
+val-fraction=0.0 min-available-sites=3 test-data='/data/server-test/fednca' results-dir='/app/results/fednca'"
+  [ "$RUN_STATUS" = "finished:completed" ] || fail "fednca run $RUN_ID: $RUN_STATUS $RUN_DETAILS"
+  results_completed fednca
+  log "fednca run $RUN_ID: finished:completed, results in the ServerApp's results volume"
+}
+
+factory_run() {
+  flwr_run "$APP_SPEC" "$FACTORY_CONFIG results-dir='/app/results/factory'"
+  [ "$RUN_STATUS" = "finished:completed" ] || fail "factory run $RUN_ID: $RUN_STATUS $RUN_DETAILS"
+  results_completed factory
+  log "factory run $RUN_ID: finished:completed"
+}
+FACTORY_CONFIG="method='factory' mosaic-grid=0 partition='classes-per-site' factory.generator-steps=4 \
+factory.audit-samples=8 factory.sampler-steps=3 factory.samples-per-class=24 factory.classifier='small-cnn' \
+factory.classifier-epochs=2 min-available-sites=3 round-timeout=300.0 test-data='/data/server-test/factory'"
+
+unsigned_refused() {
+  local refusals
+  flwr_run "$REPO" "$FACTORY_CONFIG results-dir='/app/results/unsigned'"
+  [ "$RUN_STATUS" = "finished:failed" ] || fail "the unsigned run $RUN_ID was not refused: $RUN_STATUS $RUN_DETAILS"
+  refusals=$(grep -o "The FAB could not be verified" <<<"$RUN_DETAILS" | wc -l)
+  [ "$refusals" = "${#SITE_IDS[@]}" ] || fail "unsigned run $RUN_ID: $refusals of ${#SITE_IDS[@]} sites refused it: $RUN_DETAILS"
+  log "unsigned run $RUN_ID refused by every site: $RUN_DETAILS"
+}
+
+run_step "docker ready" docker_ready
+run_step "Flower images (pull or stand-ins)" flower_images
+run_step "certificates, keys, site data, signed app" pki_and_data
+run_step "app, SuperLink and proxy images" app_images
+run_step "server up" server_up
+run_step "register 3 sites" register_sites
+run_step "3 sites up (fednca data)" sites_up fednca
+run_step "Control API refused to a site" site_position_refused
+run_step "fednca, 2 rounds" fednca_run
+run_step "3 sites switch to factory data" sites_up factory
+run_step "factory, tiny" factory_run
+run_step "unsigned app refused" unsigned_refused
+current="teardown"
+log "all steps passed"
