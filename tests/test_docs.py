@@ -85,16 +85,25 @@ def split_commands(text: str) -> list[tuple[int, list[str]]]:
     leading VAR=value assignments handled."""
     commands = []
     joined = re.sub(r"\\\n", " ", text)  # line continuations (also inside double quotes)
+    pending, start = "", 0
     for number, line in enumerate(joined.split("\n")):
-        lexer = shlex.shlex(line, posix=True, punctuation_chars="|&;")
+        pending, start = (pending + "\n" + line, start) if pending else (line, number)
+        lexer = shlex.shlex(pending, posix=True, punctuation_chars="|&;")
         lexer.whitespace_split = True
+        try:
+            tokens = [*lexer, ";"]
+        except ValueError:  # a quoted argument (python -c "...") spans lines: read on
+            continue
+        pending, number = "", start
         current: list[str] = []
-        for token in [*lexer, ";"]:
+        for token in tokens:
             if token and set(token) <= set("|&;"):
                 commands.append((number, current))
                 current = []
             else:
                 current.append(token)
+    if pending:  # never closed: a command the test reports as broken, with its line
+        commands.append((start, ["unclosed-quotation:", pending[:80]]))
     result = []
     for number, argv in commands:
         while argv and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]) or argv[0] in ("do", "then", "sudo")):
