@@ -15,11 +15,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
-from fedskew.client_tasks import local_optimisation
+from fedskew.client_tasks import VAL_METRICS, local_optimisation
 from fedskew.config import RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
-from fedskew.data.sites import load_task_dataset, pooled_training_data
+from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
@@ -161,9 +161,10 @@ def train_centralized(
     losses and optimiser, on the pooled site training data for the same sample passes (rounds x local
     epochs over every site's data), evaluated on the same test split. One optimiser and learning-rate
     schedule span the whole run, as one site would train if it held all the data."""
-    images, labels = pooled_training_data(cfg, num_sites)
+    images, labels, val_images, val_labels = pooled_site_data(cfg, num_sites)
     test = load_task_dataset(cfg)
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.fednca_model else None
+    recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
@@ -175,7 +176,16 @@ def train_centralized(
         )
         metrics = evaluate(model, test.test_images, test.test_labels, device=device)
         recorder.save_checkpoint(model.state_dict(), server_round)
-        recorder.record_round(server_round, metrics, train=stats)
+        recorder.record_round(server_round, metrics, train=stats, val=pooled_validation(model, val_images, val_labels, device))
+
+
+def pooled_validation(model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device) -> dict:
+    """The round's validation metrics on the pooled site validation splits: the same keys the sites report,
+    so the centralised bound's round is selected on validation like every other method's."""
+    if len(labels) == 0:
+        return {}
+    metrics = evaluate(model, images, labels, device=device)
+    return {f"val_{k}": float(metrics[k]) for k in VAL_METRICS[labels.ndim == 2]}
 
 
 # --- deployment: where the server's test data comes from, and federated evaluation -------------------

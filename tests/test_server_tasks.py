@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from fedskew.config import RunConfig
-from fedskew.data.sites import simulated_site
-from fedskew.models.build import build_model
+from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import train_centralized
 
@@ -17,7 +16,7 @@ def test_centralized_trains_on_exactly_the_pooled_site_data_and_learns(tmp_path)
                                      "model": "small-cnn", "num-server-rounds": 2, "local-epochs": 1, "batch-size": 64})  # fmt: skip
     recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path)
     torch.manual_seed(cfg.seed)
-    train_centralized(cfg, build_model(cfg, 10, (1, 8, 8)), 3, torch.device("cpu"), recorder)
+    train_centralized(cfg, load_task_dataset(cfg), 3, torch.device("cpu"), recorder)
     rounds = [json.loads(line) for line in (recorder.path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     pooled = sum(len(simulated_site(cfg, k, 3).train_labels) for k in range(3))
@@ -27,3 +26,6 @@ def test_centralized_trains_on_exactly_the_pooled_site_data_and_learns(tmp_path)
     assert rounds[0]["test"]["accuracy"] < 0.3 and rounds[2]["test"]["accuracy"] > 0.5
     assert np.isclose(sum(rounds[2]["test"]["per_class_recall"]) / 10, rounds[2]["test"]["balanced_accuracy"])
     assert json.loads((recorder.path / "checkpoint.json").read_text())["round"] == 2
+    # the round is selected on the pooled site validation splits, like the federated methods' rounds
+    assert all("val_accuracy" in r["val"] for r in rounds[1:])
+    assert recorder.best_round()[1].startswith("val_accuracy")

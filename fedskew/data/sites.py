@@ -96,10 +96,13 @@ def simulated_site(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
     )
 
 
-def pooled_training_data(cfg: RunConfig, num_sites: int) -> tuple[np.ndarray, np.ndarray]:
-    """Union of every site's local training split: exactly what the federation trains on, pooled."""
+def pooled_site_data(cfg: RunConfig, num_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train images, train labels, validation images, validation labels): the union of every site's local
+    training and validation splits, exactly what the federation trains and selects on, pooled."""
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     return (
         np.concatenate([s.train_images for s in sites]),
         np.concatenate([s.train_labels for s in sites]),
+        np.concatenate([s.val_images for s in sites]),
+        np.concatenate([s.val_labels for s in sites]),
     )
