@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             done = completed_run(Path(run_config["results-dir"]))
             if done is None:
                 print(f"== {name} seed {seed}", flush=True)
-                outcome = superlink.run_app(run_config, args.num_sites, timeout=args.timeout)
+                outcome = superlink.run_app(run_config, args.num_sites, timeout=args.timeout, echo=True)
                 if not outcome.completed:
                     raise SystemExit(f"{name} seed {seed} ended {outcome.status}:\n{outcome.output[-3000:]}")
                 done = completed_run(Path(run_config["results-dir"]))

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,9 @@ OFFLINE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "RAY_DISABLE_USAGE_STATS": "1",
     "PYTHONUNBUFFERED": "1",
+    # Ray merges lines that differ only in numbers across workers ("[repeated 3x across cluster]"), which
+    # would swallow the sites' progress lines (site 0 and site 1 at step 40 look alike to it).
+    "RAY_DEDUP_LOGS": "0",
 }
 
 
@@ -111,6 +115,27 @@ class SimulationSuperLink:
             ["flwr", *args], env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
 
+    def stream_flwr(self, *args: str, timeout: float, cwd: Path | None = None, echo: bool = False) -> str:
+        """`flwr ARGS` with stdout and stderr merged, returned whole; echoed as it arrives when asked, so a
+        long run shows its progress; killed after `timeout` seconds like subprocess.run would."""
+        process = subprocess.Popen(
+            ["flwr", *args], env=self.env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        watchdog = threading.Timer(timeout, process.kill)
+        watchdog.start()
+        lines = []
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if echo:
+                    print(line, end="", flush=True)
+            process.wait()
+        finally:
+            watchdog.cancel()
+        if process.returncode == -signal.SIGKILL:
+            raise subprocess.TimeoutExpired(process.args, timeout, output="".join(lines))
+        return "".join(lines)
+
     def runs(self) -> list[dict]:
         listing = self.flwr("ls", "--format", "json")
         return json.loads(listing.stdout).get("runs", []) if listing.returncode == 0 else []
@@ -122,18 +147,19 @@ class SimulationSuperLink:
         app_dir: Path = APP_DIR,
         timeout: float = 900,
         cpus_per_client: int = 1,
+        echo: bool = False,
     ) -> RunOutcome:
-        """`flwr run` the app with these run-config overrides; wait for it and report its status."""
+        """`flwr run` the app with these run-config overrides; wait for it and report its status.
+        echo=True also prints the run's log (the sites' progress included) line by line as it arrives."""
         config_file = self.home / f"run-config-{time.monotonic_ns()}.toml"
         config_file.write_text(run_config_toml(run_config))
         known = {r["run-id"] for r in self.runs()}
-        started = self.flwr(
+        output = self.stream_flwr(
             "run", str(app_dir), "sim", "--run-config", str(config_file), "--stream",
             "--federation-config",
             f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} client-resources-num-gpus=0.0",
-            timeout=timeout, cwd=app_dir,
+            timeout=timeout, cwd=app_dir, echo=echo,
         )  # fmt: skip
-        output = started.stdout + started.stderr
         deadline = time.monotonic() + 60
         while True:
             new = [r for r in self.runs() if r["run-id"] not in known]

@@ -479,3 +479,39 @@ def test_bf16_autocast_training_tracks_fp32_and_auto_is_fp32_on_cpu():
     assert np.allclose(curves["bf16"], curves["fp32"], rtol=0.02)
     with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"):
         train_generator(images, None, config, progress=None, device=torch.device("cpu"), precision="fp16")
+
+
+# ---- optimised path -------------------------------------------------------------------------
+
+
+def test_fused_channels_last_path_matches_the_unoptimised_one_on_shared_weights():
+    """The fused attention kernel and channels-last activations change only the order of float32 sums.
+    Bound (Higham): a length-n dot product is off by at most gamma_n = n u / (1 - n u) of |x|.|w|, u = 2^-24;
+    with magnitude-preserving layers (unit-RMS activations, unit-norm weight rows) that is an error of
+    gamma_n per layer, and at most one per MPConv layer along any path: depth x gamma_n of the output scale."""
+    from bench.edm2_speed import unoptimised
+
+    # Two heads at 4 px (128 channels) so the head split is exercised too.
+    config = dataclasses.replace(CPU_PRESET, model_channels=64, seed=3)
+    net = build_generator(config).eval()
+    with torch.no_grad():  # the zero-initialised gains would hide the UNet (and its attention) from the output
+        for gain in (p for p in net.parameters() if p.ndim == 0):
+            gain.fill_(1.0)
+    x = torch.randn(8, 1, 8, 8, generator=seeded(1))
+    sigma = torch.logspace(-2, 1.5, 8)
+    with torch.no_grad():
+        fast = net(x, sigma)
+        with unoptimised():
+            reference = net(x, sigma)
+    convs = [m for m in net.unet.modules() if isinstance(m, MPConv)]
+    u = 2.0**-24
+    n = max(m.weight[0].numel() for m in convs)
+    tolerance = len(convs) * n * u / (1 - n * u) * max(1.0, reference.abs().max().item())
+    assert (fast - reference).abs().max().item() <= tolerance
+
+    # A wrong kernel must fail the bound: keys not normalised (plain dot-product attention).
+    with torch.no_grad(), unoptimised(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr("fedskew.models.edm2.normalize", lambda qkv, dim=None: qkv.clone() if dim == 2 else normalize(qkv, dim))
+        patch.setattr("bench.edm2_speed.normalize", lambda qkv, dim=None: qkv if dim == 2 else normalize(qkv, dim))
+        wrong = net(x, sigma)
+    assert (wrong - reference).abs().max().item() > tolerance

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -337,11 +338,27 @@ def _tree_hashes(root):
 
 
 @pytest.fixture(scope="module")
-def factory_run(superlink, tmp_path_factory):
+def factory_outcome(superlink, tmp_path_factory):
     results = tmp_path_factory.mktemp("factory-results")
     outcome = superlink.run_app({**E2E, **REFUSAL, "method": "factory", "results-dir": str(results)}, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
-    return _only_run_dir(results)
+    return outcome, _only_run_dir(results)
+
+
+@pytest.fixture(scope="module")
+def factory_run(factory_outcome):
+    return factory_outcome[1]
+
+
+def test_sites_progress_reaches_the_run_stream_while_generators_train(factory_outcome):
+    """Each site's generator training reports its steps (first and last at least) into `flwr run --stream`."""
+    output = factory_outcome[0].output
+    modelled, _ = _site_classes(REFUSAL)
+    for site, classes in modelled.items():
+        n = len(classes)
+        for k in (1, n):
+            assert re.search(rf"site {site}: generator {k}/{n} \S+: step 1/4, loss [0-9.]+, [0-9.]+ images/s", output), site
+            assert re.search(rf"site {site}: generator {k}/{n} \S+: step 4/4, loss ", output), site
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file as load_numpy_file  # noqa: E402
 from safetensors.numpy import save_file as save_numpy_file  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from fedskew.config import FactorySection  # noqa: E402
 from fedskew.models.edm2 import GeneratorConfig, Precond, sample  # noqa: E402
+from fedskew.progress import ProgressReporter  # noqa: E402
 from fedskew.models.generator_io import (  # noqa: E402
     GeneratorFileError,
     generator_from_arrays,
@@ -462,26 +462,30 @@ def synthesise(
     device: torch.device,
     progress: bool = True,
 ) -> SyntheticSet:
-    """Run every draw of the plan on `device` with a progress bar. Each draw's noise comes in chunks of
-    NOISE_CHUNK images seeded from the draw's seed, so the images do not depend on batch_size."""
+    """Run every draw of the plan on `device`, with progress lines unless `progress` is False. Each draw's
+    noise comes in chunks of NOISE_CHUNK images seeded from the draw's seed, so the images do not depend
+    on batch_size."""
     models: dict[str, Precond] = {}
     images, labels, source = [], [], []
-    with tqdm(total=sum(j.count for j in jobs), desc="synthesising", unit="img", disable=not progress) as bar:
-        for index, job in enumerate(jobs):
-            module = library.module(job.module_id)
-            if job.module_id not in models:
-                models[job.module_id] = module.model(device)
-            for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK)):
-                n = min(NOISE_CHUNK, job.count - start)
-                images.append(
-                    sample(
-                        models[job.module_id], n, labels=job.class_id if module.conditional else None, steps=steps,
-                        seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device,
-                    )
-                )  # fmt: skip
-                bar.update(n)
-            labels.append(np.full(job.count, job.class_id, dtype=np.int64))
-            source.append(np.full(job.count, index, dtype=np.int64))
+    total, done = sum(j.count for j in jobs), 0
+    report = ProgressReporter("synthesising") if progress else None
+    for index, job in enumerate(jobs):
+        module = library.module(job.module_id)
+        if job.module_id not in models:
+            models[job.module_id] = module.model(device)
+        for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK)):
+            n = min(NOISE_CHUNK, job.count - start)
+            images.append(
+                sample(
+                    models[job.module_id], n, labels=job.class_id if module.conditional else None, steps=steps,
+                    seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device,
+                )
+            )  # fmt: skip
+            done += n
+            if report is not None:
+                report(done, total)
+        labels.append(np.full(job.count, job.class_id, dtype=np.int64))
+        source.append(np.full(job.count, index, dtype=np.int64))
     if not jobs:
         raise ValueError("the sampling plan is empty: the library covers no class")
     return SyntheticSet(np.concatenate(images), np.concatenate(labels), np.concatenate(source), tuple(jobs))

@@ -14,6 +14,7 @@ from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
 from fedskew.factory.timing import Elapsed, timed
+from fedskew.progress import ProgressReporter
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
@@ -172,12 +173,13 @@ def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) 
             f"training images (counts: {counts.tolist()})"
         )
     modules, training, audit = [], Elapsed(), Elapsed()
-    for planned in plan:
+    for k, planned in enumerate(plan, 1):
         chosen = np.isin(site.train_labels, planned.classes)
         with timed(training):
             model, stats = train_generator(
                 site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
-                planned.config, progress=None, device=device,
+                planned.config, device=device,
+                progress=ProgressReporter(f"site {site.site_id}: generator {k}/{len(plan)} {planned.module_id}", planned.config.batch_size),
             )  # fmt: skip
         with timed(audit):
             score = audit_generator(model, list(planned.classes), site, factory, planned.config.seed, device)
