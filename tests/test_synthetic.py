@@ -88,8 +88,8 @@ def test_load_source_draws_generated_sets_at_image_size_and_mosaics_them():
 
 
 def test_config_knows_which_generated_sets_are_multi_label():
-    assert RunConfig(dataset="shapes-multi", mosaic_grid=0).multilabel
-    assert RunConfig(dataset="shapes", mosaic_grid=2).multilabel
+    assert RunConfig(dataset="shapes-multi", mosaic_grid=0).label_kind == "multi"
+    assert RunConfig(dataset="shapes", mosaic_grid=2).label_kind == "multi"
     with pytest.raises(ConfigError, match="mosaic-grid"):
         RunConfig.from_run_config({"dataset": "shapes-multi", "mosaic-grid": 2})
     with pytest.raises(ConfigError, match="method"):

@@ -12,7 +12,7 @@ from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import build_classifier, check_expert_weights
 from fedskew.factory.library import UploadRejected
 from fedskew.factory.site_validation import AskSites, ClassScores, class_scores, pooled, select_and_calibrate
-from fedskew.strategies.factory import FactoryFlow, TaskLike, packed_weights, unpacked_weights
+from fedskew.strategies.factory import FactoryFlow, TaskLike, packed_size_limit, packed_weights, unpacked_weights
 
 VALIDATION_MESSAGE = "query.factory_validation"
 CLASSIFIER_KEY = "classifier"
@@ -23,8 +23,9 @@ def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: tor
     """At a site: the class-level sums of the server's classifier on the site's validation split."""
     if CLASSIFIER_KEY not in content.array_records:
         raise UploadRejected("the validation query carries no classifier weights")
-    state = unpacked_weights(content[CLASSIFIER_KEY], "the server's classifier")
+    # The model is built first: its size bounds the payload before anything is unpacked.
     model = build_classifier(cfg.factory.classifier, tuple(site.train_images.shape[1:]), site.num_classes)
+    state = unpacked_weights(content[CLASSIFIER_KEY], "the server's classifier", packed_size_limit(model.state_dict()))
     check_expert_weights(state, model.state_dict())
     model.load_state_dict(state)
     scores = class_scores(model, site.val_images, site.val_labels, site.num_classes, device)
