@@ -5,7 +5,8 @@ class-wise features of the final global model come to the simplex ETF.
   average LADM feature f_bk over the test images that carry label k), next to the ETF's -1/(K-1).
 - A t-SNE map (scikit-learn) of those class-wise features with the ETF directions embedded with them.
 
-Written to `nc_analysis.json` and `nc_tsne.png` in the run directory.
+Written to `nc_analysis.json` and `nc_tsne.png` in the run directory. For FederatedFactory,
+`real_vs_synthetic_tsne` maps real and synthetic images of each class in one t-SNE.
 """
 
 from __future__ import annotations
@@ -99,3 +100,33 @@ def write_fednca_analysis(model: FedNCAModel, test, run_dir: Path, device: torch
     print(f"fedskew: class-mean cosine {report['mean_pairwise_cosine']:.3f} (ETF {report['etf_cosine']:.3f}); "
           f"{ANALYSIS_FILE}, {TSNE_FILE}", flush=True)
     return report
+
+
+def real_vs_synthetic_tsne(real: np.ndarray, real_classes: np.ndarray, synthetic: np.ndarray,
+                           synthetic_classes: np.ndarray, class_names: tuple[str, ...], path: Path, seed: int) -> None:
+    """One t-SNE of (up to TSNE_PER_CLASS per class and side) real and synthetic feature vectors:
+    circles real, crosses synthetic, one colour per class."""
+    rng = np.random.default_rng(seed)
+
+    def subset(classes: np.ndarray) -> np.ndarray:
+        return np.concatenate([rng.permutation(np.flatnonzero(classes == k))[:TSNE_PER_CLASS] for k in np.unique(classes)])
+
+    real_keep, fake_keep = subset(real_classes), subset(synthetic_classes)
+    stacked = np.concatenate([real[real_keep], synthetic[fake_keep]])
+    embedded = TSNE(n_components=2, perplexity=min(30.0, (len(stacked) - 1) / 3), init="pca",
+                    random_state=seed).fit_transform(stacked)
+    figure, axis = plt.subplots(figsize=(7, 6))
+    colours = plt.get_cmap("tab20")
+    sides = ((embedded[: len(real_keep)], real_classes[real_keep], "o", "real"),
+             (embedded[len(real_keep):], synthetic_classes[fake_keep], "x", "synthetic"))
+    for points, classes, marker, side in sides:
+        for k in np.unique(classes):
+            axis.scatter(*points[classes == k].T, s=10, marker=marker, alpha=0.6, color=colours(k % 20),
+                         label=f"{class_names[k]} {side}")
+    axis.set_title("real (o) vs synthetic (x) images in the feature CNN's space, t-SNE")
+    axis.legend(fontsize=6, ncol=2, loc="best")
+    axis.set_xticks([])
+    axis.set_yticks([])
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
