@@ -59,6 +59,10 @@ def test_fednca_two_rounds_every_site_trains_against_the_servers_etf(fednca_run)
     # each site echoes the CRC32 of the ETF it received; the server compares with its own
     assert summary["etf_checks"] == [{"round": r, "sites": 2, "matching": 2} for r in (1, 2)]
     assert 0.0 <= summary["final"]["f1_macro"] <= 1.0 and len(summary["final"]["per_class_f1"]) == 10
+    # the neural-collapse analysis of the final model: class-mean cosine vs the ETF's -1/(K-1), and the t-SNE map
+    analysis = json.loads((fednca_run / "nc_analysis.json").read_text())
+    assert summary["neural_collapse"] == analysis and analysis["etf_cosine"] == -1 / 9
+    assert -1.0 <= analysis["mean_pairwise_cosine"] <= 1.0 and (fednca_run / "nc_tsne.png").stat().st_size > 10_000
 
 
 def test_a_resumed_run_continues_after_the_last_completed_round(superlink, fednca_run, tmp_path):
