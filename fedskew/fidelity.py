@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from scipy.linalg import sqrtm
 
+from fedskew.analysis import real_vs_synthetic_tsne
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
 from fedskew.data.sources import ImageDataset
@@ -34,6 +35,7 @@ from fedskew.training import make_loader, sgd, train_local
 FeatureFn = Callable[[np.ndarray], np.ndarray]
 
 FIDELITY_FILE = "fidelity.json"
+TSNE_FILE = "real_vs_synthetic_tsne.png"
 FEATURE_NET_EPOCHS = 10
 KID_SUBSETS = 20
 KID_SUBSET_SIZE = 1000
@@ -176,13 +178,18 @@ def mean_over_classes(report: dict[str, dict]) -> dict[str, float]:
 
 
 def generator_fidelity(synthetic_images: np.ndarray, synthetic_labels: np.ndarray, real: ImageDataset, seed: int,
-                       device: torch.device, inception_weights: str = "") -> dict:
+                       device: torch.device, inception_weights: str = "", tsne_path: Path | None = None) -> dict:
     """The full report for a synthetic set against `real` (an ImageDataset with single-label train and
-    test splits): per class and class-mean, in classifier features and (with weights) Inception's."""
+    test splits): per class and class-mean, in classifier features and (with weights) Inception's.
+    With `tsne_path`, also a t-SNE map of real test vs synthetic images in the classifier features."""
     real_train, real_test = (real.train_images, real.train_labels), (real.test_images, real.test_labels)
     spaces: dict[str, FeatureFn] = {
         "classifier": classifier_features(real.train_images, real.train_labels, real.num_classes, seed, device)
     }
+    if tsne_path is not None:
+        features = spaces["classifier"]
+        real_vs_synthetic_tsne(features(real.test_images), real.test_labels, features(synthetic_images),
+                               synthetic_labels, real.class_names, tsne_path, seed)
     if inception_weights:
         spaces["inception"] = inception_features(inception_weights, device)
     report = {
@@ -208,7 +215,8 @@ def record_fidelity(cfg: RunConfig, recorder: RunRecorder, device: torch.device)
         try:
             synthetic = load_synthetic(recorder.path / SYNTHETIC_FILE)
             report = generator_fidelity(synthetic.images, synthetic.labels, load_task_dataset(cfg), cfg.seed, device,
-                                        cfg.factory.inception_weights)
+                                        cfg.factory.inception_weights, recorder.path / TSNE_FILE)
+            report["tsne_png"] = TSNE_FILE
         except (OSError, ImportError, ValueError) as exc:
             report = {"failed": f"{type(exc).__name__}: {exc}"}
     write_json(recorder.path / FIDELITY_FILE, report)

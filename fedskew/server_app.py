@@ -6,6 +6,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedskew.analysis import write_fednca_analysis
 from fedskew.config import RunConfig
 from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
 from fedskew.models.model_file import run_model_card
@@ -79,6 +80,9 @@ def main(grid: Grid, context: Context) -> None:
                     round_offset=done,
                 ),
             )
+            if cfg.method == "fednca" and test is not None and model.use_ladm:
+                # The final global model is in `model`: evaluate_fn loaded every round's weights into it.
+                recorder.extra["neural_collapse"] = write_fednca_analysis(model, test, recorder.path, device, cfg.seed)
     except BaseException as exc:
         recorder.write_summary("failed", reason=f"{type(exc).__name__}: {exc}")
         try_write_report(recorder.path)

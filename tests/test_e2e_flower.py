@@ -80,6 +80,10 @@ def test_fednca_two_rounds_every_site_trains_against_the_servers_etf(fednca_run)
     assert 0.0 <= summary["final"]["f1_macro"] <= 1.0 and len(summary["final"]["per_class_f1"]) == len(CLASS_NAMES)
     partition = json.loads((fednca_run / "partition.json").read_text())
     assert partition["class-names"] == list(CLASS_NAMES) and "cooccurrence" in partition["sites"][0]
+    # the neural-collapse analysis of the final model: class-mean cosine vs the ETF's -1/(K-1), and the t-SNE map
+    analysis = json.loads((fednca_run / "nc_analysis.json").read_text())
+    assert summary["neural_collapse"] == analysis and analysis["etf_cosine"] == pytest.approx(-1 / (len(CLASS_NAMES) - 1))
+    assert -1.0 <= analysis["mean_pairwise_cosine"] <= 1.0 and (fednca_run / "nc_tsne.png").stat().st_size > 10_000
 
 
 def test_predict_on_the_test_split_reproduces_the_runs_reported_test_metrics(fednca_run, own_multilabel, tmp_path):

@@ -413,6 +413,7 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     # generator fidelity per uploaded class, next to its real-vs-real floor, in fidelity.json and the summary
     fidelity = json.loads((factory_run / "fidelity.json").read_text())
     assert summary["fidelity"] == fidelity
+    assert (factory_run / fidelity["tsne_png"]).stat().st_size > 10_000
     per_class = fidelity["classifier"]["per_class"]
     assert sorted(int(name) for name in per_class) == sorted(uploaded)
     assert all(row["n"] == 24 and row["fd"] > -1e-6 and row["fd_floor"] > -1e-6 for row in per_class.values())

@@ -37,7 +37,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_per_class_report_separates_real_like_samples_from_noise(one_thread):
+def test_per_class_report_separates_real_like_samples_from_noise(one_thread, tmp_path):
     real = load_task_dataset(RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "iid"}))
     rng = np.random.default_rng(0)
     keep = np.isin(real.train_labels, [0, 1])
@@ -45,7 +45,8 @@ def test_per_class_report_separates_real_like_samples_from_noise(one_thread):
     noise = rng.random(real_like.shape, dtype=np.float32)
     images = np.concatenate([real_like[real.train_labels[keep] == 0], noise[real.train_labels[keep] == 1]])
     labels = np.concatenate([np.zeros((real.train_labels[keep] == 0).sum(), int), np.ones((real.train_labels[keep] == 1).sum(), int)])
-    report = generator_fidelity(images, labels, real, seed=0, device=torch.device("cpu"))
+    report = generator_fidelity(images, labels, real, seed=0, device=torch.device("cpu"), tsne_path=tmp_path / "tsne.png")
+    assert (tmp_path / "tsne.png").stat().st_size > 10_000
     per_class = report["classifier"]["per_class"]
     assert set(per_class) == {real.class_names[0], real.class_names[1]}
     real_row, noise_row = per_class[real.class_names[0]], per_class[real.class_names[1]]

@@ -50,3 +50,14 @@ def test_a_class_absent_from_the_labels_is_left_out_of_macro_auc_not_counted_as_
     m = multilabel_metrics(y, probs)
     assert np.isnan(m["per_class_auc"][1])
     assert m["auc_macro"] == pytest.approx(1.0)
+
+
+def test_multilabel_accuracy_is_medmnists_acc():
+    from medmnist.evaluator import getACC
+
+    y = np.array([[1, 0, 1], [0, 0, 1], [1, 1, 0], [0, 1, 0]])
+    probs = np.array([[0.9, 0.2, 0.4], [0.1, 0.6, 0.7], [0.8, 0.5, 0.3], [0.3, 0.9, 0.1]])
+    # label accuracies at > 0.5: 4/4, 2/4 (0.6 wrong; 0.5 is not > 0.5, wrong), 3/4 (0.4 wrong) -> 9/12
+    m = multilabel_metrics(y, probs)
+    assert m["accuracy_medmnist"] == pytest.approx(0.75)
+    assert m["accuracy_medmnist"] == pytest.approx(getACC(y, probs, "multi-label, binary-class"))
