@@ -33,7 +33,16 @@ from bench.compare import parse_run_config
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.factory.classifier import ClassifierRecipe, build_classifier, train_classifier
-from fedskew.factory.library import Library, class_balanced_set, read_library, save_class_grids, write_library
+from fedskew.factory.library import (
+    Library,
+    SyntheticSet,
+    class_balanced_set,
+    load_synthetic,
+    read_library,
+    save_class_grids,
+    save_synthetic,
+    write_library,
+)
 from fedskew.factory.site import train_site_generators
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
 from fedskew.training import evaluate, pick_device
@@ -44,14 +53,15 @@ SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 
 GENERATOR_KEYS = ("generator", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
 
 
-def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, float]:
-    """Every site's generators (trained, or read from the cache) as one library; seconds spent training."""
+def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, Path, float]:
+    """Every site's generators (trained, or read from the cache) as one library, its cache directory, and
+    the seconds spent training."""
     shaping = {k: getattr(cfg.factory, k) for k in GENERATOR_KEYS}
     key = json.dumps({"data": [cfg.dataset, cfg.image_size, cfg.partition, cfg.classes_per_site, cfg.alpha, cfg.val_fraction],
                       "seed": cfg.seed, "sites": len(sites), **shaping}, sort_keys=True)  # fmt: skip
     directory = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (directory / "manifest.json").is_file():
-        return read_library(directory), 0.0
+        return read_library(directory), directory, 0.0
     start = time.perf_counter()
     modules = [m for site in sites for m in train_site_generators(cfg, site, device)[0]]
     seconds = time.perf_counter() - start
@@ -59,7 +69,17 @@ def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: tor
                       tuple(sites[0].train_images.shape[1:]), tuple(sites[0].class_names))  # fmt: skip
     write_library(library, directory)
     (directory / "settings.json").write_text(json.dumps({**json.loads(key), "train_seconds": seconds}, indent=2))
-    return library, seconds
+    return library, directory, seconds
+
+
+def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device) -> SyntheticSet:
+    """The server's class-balanced synthetic set, cached next to the library it was drawn from."""
+    path = directory / f"synthetic-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}.safetensors"
+    if path.is_file():
+        return load_synthetic(path)
+    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+    save_synthetic(synthetic, path)
+    return synthetic
 
 
 def site_answers(cfg: RunConfig, sites: list[SiteData], device: torch.device):
@@ -103,15 +123,17 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
-    library, generator_seconds = site_library(cfg, sites, out / "generators", device)
+    library, library_dir, generator_seconds = site_library(cfg, sites, out / "generators", device)
     ref_key = (cfg.seed, cfg.factory.classifier, cfg.factory.classifier_epochs, cfg.factory.classifier_patience, cfg.factory.augment)
     if ref_key not in references:
         references[ref_key] = centralised_reference(cfg, sites, test, device)
     reference, reference_metrics = references[ref_key]
     start = time.perf_counter()
-    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+    synthetic = server_synthetic_set(cfg, library, library_dir, device)
     synthesis_seconds = time.perf_counter() - start
-    save_class_grids(synthetic, out / "samples" / f"{name}-seed{cfg.seed}")
+    grids = out / "samples" / f"{library_dir.name}-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}"
+    if not grids.is_dir():  # variants that share the synthetic set share its grids
+        save_class_grids(synthetic, grids)
     checkpoints = {} if cfg.factory.site_validation else None
     start = time.perf_counter()
     model, stats = train_classifier(
@@ -134,7 +156,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         "min_class_recall": min(metrics["per_class_recall"]), "best_epoch": stats["best_epoch"],
         "last_epoch": stats["last_epoch"], "synthetic_val_accuracy": stats["val_accuracy"],
         "generator_seconds": generator_seconds, "synthesis_seconds": synthesis_seconds,
-        "classifier_seconds": classifier_seconds, "site_validation": site_report,
+        "classifier_seconds": classifier_seconds, "site_validation": site_report, "samples": str(grids),
         "intensity": intensity_report(synthetic.images, synthetic.labels, *real, reference, device),
     }  # fmt: skip
 
