@@ -280,10 +280,11 @@ def test_every_site_refuses_an_unsigned_app_and_one_signed_by_another_key(link, 
     assert forged.spec == "@fedskew/fedskew==9.9.9"
     refused = {"unsigned": APP_DIR, "forged": forged.spec}
     with running_sites(link, pki, tmp_path, [sites / f"site-{k}" for k in range(3)]) as nodes:
-        for what, app in refused.items():
-            run_id = link.submit({**TINY, "method": "fednca", "min-available-sites": 3, "round-timeout": 60.0,
-                                  "results-dir": str(tmp_path / what), "test-data": str(sites / "server-test")},
-                                 app=app)  # fmt: skip
+        run_ids = {what: link.submit({**TINY, "method": "fednca", "min-available-sites": 3, "round-timeout": 60.0,
+                                      "results-dir": str(tmp_path / what), "test-data": str(sites / "server-test")},
+                                     app=app)
+                   for what, app in refused.items()}  # fmt: skip  (both at once: the ServerApps start in parallel)
+        for what, run_id in run_ids.items():
             outcome = link.wait(run_id, timeout=240)
             assert outcome.status == "finished:failed", (what, outcome.status, outcome.output[-3000:])
             details = outcome.listing["status-details"]
