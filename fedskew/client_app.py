@@ -30,11 +30,19 @@ def survey(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"survey": MetricRecord(site_survey(cfg, load_site(cfg, context.node_config)))}), reply_to=msg)
 
 
+OPTIMIZER_STATE_KEY = "optimizer-state"
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
     config = msg.content["config"]
+    # FedNCA-ML's AdamW moments can stay at the site between rounds: node state persists, it is never sent.
+    optimizer_state = None
+    if cfg.method == "fednca" and cfg.fednca.keep_optimizer_state:
+        kept = context.state.array_records.get(OPTIMIZER_STATE_KEY)
+        optimizer_state = kept.to_torch_state_dict() if kept is not None else {}
     state, metrics = train_site(
         cfg,
         site,
@@ -42,7 +50,10 @@ def train(msg: Message, context: Context) -> Message:
         server_round=int(config["server-round"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)),
         etf=received_etf_array(msg),
+        optimizer_state=optimizer_state,
     )
+    if optimizer_state is not None:
+        context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(optimizer_state)
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 

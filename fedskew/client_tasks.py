@@ -97,6 +97,24 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
     return optimizer, scheduler, loss_fn
 
 
+def optimizer_arrays(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimiser's per-parameter state (AdamW: step, moments) as flat "<param index>.<name>" tensors."""
+    return {
+        f"{index}.{name}": torch.as_tensor(value).detach().cpu()
+        for index, values in optimizer.state_dict()["state"].items()
+        for name, value in values.items()
+    }
+
+
+def load_optimizer_arrays(optimizer: torch.optim.Optimizer, arrays: dict[str, torch.Tensor]) -> None:
+    """Restore per-parameter state saved by optimizer_arrays; hyper-parameters (lr, schedule) stay the new ones."""
+    nested: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        index, _, name = key.partition(".")
+        nested.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": nested, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 def train_site(
     cfg: RunConfig,
     site: SiteData,
@@ -105,8 +123,12 @@ def train_site(
     server_round: int,
     proximal_mu: float = 0.0,
     etf: np.ndarray | None = None,
+    optimizer_state: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """One round of local training from the global weights; returns new weights and metrics."""
+    """One round of local training from the global weights; returns new weights and metrics.
+
+    `optimizer_state` (fednca.keep-optimizer-state): the site's optimiser state from its previous round,
+    empty in its first; training starts from it and it is replaced in place by the state after this round."""
     device = pick_device(cfg.device)
     model = _site_model(cfg, site, state, etf)
     loader = make_loader(
@@ -115,6 +137,8 @@ def train_site(
     optimizer, scheduler, loss_fn = local_optimisation(
         cfg, model, cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size), server_round
     )
+    if optimizer_state:
+        load_optimizer_arrays(optimizer, optimizer_state)
     stats = train_local(
         model,
         loader,
@@ -125,6 +149,9 @@ def train_site(
         device=device,
         proximal_mu=proximal_mu,
     )
+    if optimizer_state is not None:
+        optimizer_state.clear()
+        optimizer_state.update(optimizer_arrays(optimizer))
     metrics = {
         "train_loss": stats["train_loss"],
         "train_seconds": stats["train_seconds"],

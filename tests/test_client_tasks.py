@@ -51,3 +51,24 @@ def test_site_survey_reports_counts_only():
     assert survey["site-id"] == 3 and survey["num-sites"] == 10
     assert sum(np.array(survey["label-counts"]) == 0) >= CFG.missing_classes
     assert len(survey["cooccurrence"]) == site.num_classes**2
+
+
+def test_kept_adamw_state_continues_across_rounds_through_the_node_state_record():
+    from flwr.app import ArrayRecord
+
+    cfg = RunConfig.from_run_config({"method": "fednca", "batch-size": 64, "local-epochs": 1,
+                                     "num-server-rounds": 2, "fednca.keep-optimizer-state": True})
+    site = simulated_site(cfg, 0, 10)
+    steps = -(-len(site.train_labels) // cfg.batch_size)
+    etf = server_etf(cfg, site.num_classes, site.train_images.shape[1:])
+    torch.manual_seed(0)
+    state = build_model(cfg, site.num_classes, site.train_images.shape[1:], etf=etf).state_dict()
+    kept: dict = {}
+    after_one, _ = train_site(cfg, site, state, server_round=1, etf=etf.numpy(), optimizer_state=kept)
+    assert kept["0.step"].item() == steps and "0.exp_avg_sq" in kept
+    # The ClientApp keeps it in context.state as an ArrayRecord between rounds.
+    kept = ArrayRecord(kept).to_torch_state_dict()
+    continued, _ = train_site(cfg, site, after_one, server_round=2, etf=etf.numpy(), optimizer_state=kept)
+    assert kept["0.step"].item() == 2 * steps
+    restarted, _ = train_site(cfg, site, after_one, server_round=2, etf=etf.numpy(), optimizer_state={})
+    assert any(not torch.allclose(continued[k].float(), restarted[k].float()) for k in continued)
