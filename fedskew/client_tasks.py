@@ -123,6 +123,7 @@ class TensorStore(Protocol):
 
 SCAFFOLD_SITE_STATE = "scaffold-site-control"
 FEDDYN_SITE_STATE = "feddyn-site-gradient"
+OPTIMIZER_SITE_STATE = "optimizer-state"
 
 
 def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -178,6 +179,24 @@ def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
     return float(train_config["proximal-mu"])
 
 
+def optimizer_arrays(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimiser's per-parameter state (AdamW: step, moments) as flat "<param index>.<name>" tensors."""
+    return {
+        f"{index}.{name}": torch.as_tensor(value).detach().cpu()
+        for index, values in optimizer.state_dict()["state"].items()
+        for name, value in values.items()
+    }
+
+
+def load_optimizer_arrays(optimizer: torch.optim.Optimizer, arrays: dict[str, torch.Tensor]) -> None:
+    """Restore per-parameter state saved by optimizer_arrays; hyper-parameters (lr, schedule) stay the new ones."""
+    nested: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in arrays.items():
+        index, _, name = key.partition(".")
+        nested.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": nested, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 def train_site(
     cfg: RunConfig,
     site: SiteData,
@@ -191,7 +210,9 @@ def train_site(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """One round of local training from the global weights; returns new weights and metrics.
     SCAFFOLD and FedDyn read and update their site state in `site_state`; SCAFFOLD also needs the
-    server's control variate, and its reply carries delta_c next to the weights."""
+    server's control variate, and its reply carries delta_c next to the weights. With
+    fednca.keep-optimizer-state the site's AdamW state continues from its previous round (kept in
+    `site_state`, never sent)."""
     device = pick_device(cfg.device)
     model = _site_model(cfg, site, state, etf).to(device)
     loader = make_loader(
@@ -200,6 +221,11 @@ def train_site(
     steps = cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round)
     before_step, finish, restored = drift_correction(cfg, model, site_state, server_control, steps)
+    keep_optimizer = cfg.method == "fednca" and cfg.fednca.keep_optimizer_state
+    if keep_optimizer:
+        if site_state is None:
+            raise ValueError("fednca.keep-optimizer-state keeps state at the site between rounds; no state store was given")
+        load_optimizer_arrays(optimizer, site_state.get(OPTIMIZER_SITE_STATE) or {})
     stats = train_local(
         model,
         loader,
@@ -212,6 +238,8 @@ def train_site(
         before_step=before_step,
     )
     extra = finish()
+    if keep_optimizer:
+        site_state.put(OPTIMIZER_SITE_STATE, optimizer_arrays(optimizer))
     metrics = {
         "train_loss": stats["train_loss"],
         "train_seconds": stats["train_seconds"],

@@ -68,6 +68,10 @@ class FedNCASection(_Section):
     beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2 (beta1 is 0.9).")
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (not on biases, norms, scale).")
     warmup_fraction: float = Field(0.1, ge=0, lt=1, description="Share of all local steps spent in linear warm-up.")
+    keep_optimizer_state: bool = Field(
+        False, description="Each site keeps its AdamW moments from round to round (in its node state, never sent) "
+        "instead of restarting them every round."
+    )
 
 
 class FactorySection(_Section):

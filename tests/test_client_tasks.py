@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.client_tasks import evaluate_site, received_etf, received_proximal_mu, site_survey, train_site
+from fedskew.client_tasks import (
+    OPTIMIZER_SITE_STATE,
+    evaluate_site,
+    received_etf,
+    received_proximal_mu,
+    site_survey,
+    train_site,
+)
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
 from fedskew.models.build import build_model, server_etf
@@ -59,3 +66,35 @@ def test_fedprox_takes_mu_from_the_servers_message_and_a_missing_mu_is_an_error(
     with pytest.raises(ValueError, match="carries no 'proximal-mu'"):
         received_proximal_mu(fedprox, {"server-round": 1})
     assert received_proximal_mu(CFG, {"server-round": 1}) == 0.0  # fednca: no proximal term
+
+
+def test_kept_adamw_state_continues_across_rounds_through_the_node_state_record():
+    cfg = RunConfig.from_run_config({"method": "fednca", "batch-size": 64, "local-epochs": 1,
+                                     "num-server-rounds": 2, "fednca.keep-optimizer-state": True})
+    site = simulated_site(cfg, 0, 10)
+    steps = -(-len(site.train_labels) // cfg.batch_size)
+    etf = server_etf(cfg, site.num_classes, site.train_images.shape[1:])
+    torch.manual_seed(0)
+    state = build_model(cfg, site.num_classes, site.train_images.shape[1:], etf=etf).state_dict()
+    kept = RecordStore()
+    after_one, _ = train_site(cfg, site, state, server_round=1, proximal_mu=0.0, etf=etf.numpy(), site_state=kept)
+    assert kept.get(OPTIMIZER_SITE_STATE)["0.step"].item() == steps and "0.exp_avg_sq" in kept.get(OPTIMIZER_SITE_STATE)
+    continued, _ = train_site(cfg, site, after_one, server_round=2, proximal_mu=0.0, etf=etf.numpy(), site_state=kept)
+    assert kept.get(OPTIMIZER_SITE_STATE)["0.step"].item() == 2 * steps
+    restarted, _ = train_site(cfg, site, after_one, server_round=2, proximal_mu=0.0, etf=etf.numpy(), site_state=RecordStore())
+    assert any(not torch.allclose(continued[k].float(), restarted[k].float()) for k in continued)
+
+
+class RecordStore:
+    """The site store as the ClientApp keeps it: every put goes through an ArrayRecord (context.state)."""
+
+    def __init__(self):
+        self.records = {}
+
+    def get(self, name):
+        return self.records[name].to_torch_state_dict() if name in self.records else None
+
+    def put(self, name, tensors):
+        from flwr.app import ArrayRecord
+
+        self.records[name] = ArrayRecord({k: v.contiguous() for k, v in tensors.items()})

@@ -1,0 +1,185 @@
+"""Choose FedNCA-ML's and the baselines' defaults once across several datasets, on validation data only.
+
+    python -m bench.fednca_search --out bench/results/fednca-search --dataset digits-mosaic
+    python -m bench.fednca_search --out bench/results/fednca-search --report
+
+Every trial is one method with one set of run-config overrides on one dataset. It runs Flower's
+math in one process, with the very functions the ClientApp and ServerApp call: each round every
+site trains from the global weights with `train_site`, the server averages every array weighted
+by the sites' example counts (what Flower's FedAvg aggregation does, in float64), and the
+centralised bound trains with `local_optimisation` + `train_local` on the pooled site data, as
+`train_centralized` does. Kept AdamW state lives per site between rounds, as in the ClientApp's
+node state. To fit a shared 2-core machine a trial keeps only `--site-fraction` of each site's
+training split (the same seeded subset for every trial) and runs `--rounds` x `--local-epochs`;
+the validation and test splits stay whole.
+
+Selection: a trial's score is macro-F1 on the union of the sites' validation splits after the
+last round. A setting is chosen by its mean score over all datasets (never per dataset); the test
+metric is only reported. Results append to OUT/trials.jsonl (one line per finished trial, so a
+re-run skips what is done); `--report` writes OUT/search.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedskew.client_tasks import local_optimisation, train_site
+from fedskew.config import RunConfig
+from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
+from fedskew.models.build import build_model, server_etf
+from fedskew.training import evaluate, make_loader, train_local
+
+NUM_SITES = 10
+# Multi-label datasets of different size, texture and difficulty, all with multilabel-skew partitions.
+DATASETS = {
+    "digits-mosaic": {"dataset": "digits", "mosaic-grid": 2},  # 16 px grey
+    "deformed-digits-mosaic": {"dataset": "deformed-digits", "image-size": 12, "mosaic-grid": 2},  # 24 px grey
+    "shapes-multi": {"dataset": "shapes-multi", "image-size": 24, "mosaic-grid": 0},  # 24 px RGB, occlusion
+}
+# (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid.
+TRIALS = [
+    ("fednca-lr3e-3", "fednca", {"fednca.lr": 3e-3}),
+    ("fednca-lr1e-3-keep", "fednca", {"fednca.lr": 1e-3, "fednca.keep-optimizer-state": True}),
+    ("fednca-lr1e-3", "fednca", {"fednca.lr": 1e-3}),
+    ("fednca-lr3e-3-keep", "fednca", {"fednca.lr": 3e-3, "fednca.keep-optimizer-state": True}),
+    ("centralized-lr1e-3", "centralized", {"fednca.lr": 1e-3}),
+    ("centralized-lr3e-3", "centralized", {"fednca.lr": 3e-3}),
+    ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
+    ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
+    ("fedprox-lr0.05", "fedprox", {"lr": 0.05}),
+    ("fedprox-lr0.02", "fedprox", {"lr": 0.02}),
+]
+
+
+def subsample(site: SiteData, fraction: float, seed: int) -> SiteData:
+    """The site with a seeded `fraction` of its training split (at least one batch's worth of examples)."""
+    keep = max(min(len(site.train_labels), 32), round(fraction * len(site.train_labels)))
+    rows = np.sort(np.random.default_rng(seed * 7919 + site.site_id).permutation(len(site.train_labels))[:keep])
+    return dataclasses.replace(site, train_images=site.train_images[rows], train_labels=site.train_labels[rows])
+
+
+def federated_average(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> dict[str, torch.Tensor]:
+    """Every array averaged with weights num-examples / total, in float64 (Flower's aggregate_arrayrecords)."""
+    weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
+    weights /= weights.sum()
+    keys = updates[0][0]
+    return {k: sum(w * update[k].double() for w, (update, _) in zip(weights, updates)) for k in keys}
+
+
+def run_trial(cfg: RunConfig, fraction: float) -> dict:
+    """Train one method as configured; validation and test metrics after the last round."""
+    sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
+    data = load_task_dataset(cfg)
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
+    model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
+    if cfg.method == "centralized":
+        images = np.concatenate([s.train_images for s in sites])
+        labels = np.concatenate([s.train_labels for s in sites])
+        loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
+        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
+        for _ in range(cfg.num_server_rounds):
+            train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
+                        loss_fn=loss_fn, device=device)
+    else:
+        state = model.state_dict()
+        kept = [{} if cfg.method == "fednca" and cfg.fednca.keep_optimizer_state else None for _ in sites]
+        mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
+        etf_array = etf.numpy() if etf is not None else None
+        for server_round in range(1, cfg.num_server_rounds + 1):
+            updates = [
+                train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array,
+                           optimizer_state=kept[k])
+                for k, site in enumerate(sites)
+            ]
+            state = federated_average(updates)
+        model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
+    val_images = np.concatenate([s.val_images for s in sites])
+    val_labels = np.concatenate([s.val_labels for s in sites])
+    return {
+        "val": evaluate(model, val_images, val_labels, device=device)["f1_macro"],
+        "test": evaluate(model, data.test_images, data.test_labels, device=device)["f1_macro"],
+    }
+
+
+def trial_config(dataset: str, method: str, overrides: dict, args) -> RunConfig:
+    return RunConfig.from_run_config({
+        **DATASETS[dataset], "partition": "multilabel-skew", "alpha": 0.1, "missing-classes": 3,
+        "num-server-rounds": args.rounds, "local-epochs": args.local_epochs, "seed": args.seed,
+        **overrides, "method": method,
+    })
+
+
+def done_trials(path: Path) -> dict[tuple[str, str], dict]:
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(row["trial"], row["dataset"]): row for row in rows}
+
+
+def report(out: Path) -> str:
+    """search.md: validation (test) macro-F1 per trial and dataset, and each method's pick by mean validation."""
+    rows = done_trials(out / "trials.jsonl")
+    datasets = [d for d in DATASETS if any(key[1] == d for key in rows)]
+    lines = ["| trial | " + " | ".join(f"{d} val (test)" for d in datasets) + " | mean val |",
+             "|---" * (len(datasets) + 2) + "|"]
+    best: dict[str, tuple[float, str]] = {}
+    for name, method, _ in TRIALS:
+        cells = [rows.get((name, d)) for d in datasets]
+        if not any(cells):
+            continue
+        complete = all(cells)
+        mean_val = statistics.mean(c["val"] for c in cells) if complete else float("nan")
+        lines.append(f"| {name} | " + " | ".join(f"{c['val']:.3f} ({c['test']:.3f})" if c else "-" for c in cells)
+                     + (f" | {mean_val:.3f} |" if complete else " | incomplete |"))
+        if complete and mean_val > best.get(method, (-1.0, ""))[0]:
+            best[method] = (mean_val, name)
+    lines += ["", "Chosen by mean validation macro-F1 over the datasets (complete trials only): "
+              + ", ".join(f"{method}: {name}" for method, (_, name) in best.items())]
+    (out / "search.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dataset", choices=list(DATASETS), action="append", help="default: all, in turn")
+    parser.add_argument("--trials", default="", help="comma-separated trial names (default: all)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--local-epochs", type=int, default=3)
+    parser.add_argument("--site-fraction", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report", action="store_true", help="only write OUT/search.md from the finished trials")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        print(report(args.out))
+        return
+    torch.set_num_threads(1)
+    wanted = set(args.trials.split(",")) if args.trials else None
+    log = args.out / "trials.jsonl"
+    for dataset in args.dataset or list(DATASETS):
+        for name, method, overrides in TRIALS:
+            if (wanted and name not in wanted) or (name, dataset) in done_trials(log):
+                continue
+            start = time.process_time()
+            scores = run_trial(trial_config(dataset, method, overrides, args), args.site_fraction)
+            row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
+                   "rounds": args.rounds, "local_epochs": args.local_epochs, "site_fraction": args.site_fraction,
+                   "seed": args.seed, "cpu_seconds": round(time.process_time() - start, 1)}
+            with log.open("a") as file:
+                file.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
