@@ -1,7 +1,7 @@
 """GPU readiness check: the paper-scale settings' throughput and memory on one device, one JSON.
 
     python -m bench.gpu_check --out bench/results/gpu_check.json          # one GPU, < 8 minutes
-    python -m bench.gpu_check --smoke --out /tmp/gpu_check.json           # CPU, tiny sizes, seconds (CI)
+    python -m bench.gpu_check --smoke --out gpu_check.json                # CPU, tiny sizes, seconds (CI)
 
 Measures
   - EDM2 `gpu-32px` (FederatedFactory's 50.7 M-parameter generator) training img/s at batch 256 and 512,

@@ -139,15 +139,16 @@ def make_evaluate_fn(
     calls this after the round's federated evaluation, so the validation metrics are current."""
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        state = arrays.to_torch_state_dict()
+        # Loaded into the model first: aggregation (Flower's DP wrappers among it) can hand back integer
+        # buffers such as BatchNorm's num_batches_tracked as floats; the model's own dtypes are what is saved.
+        model.load_state_dict(arrays.to_torch_state_dict())
         metrics = {}
         if test is not None:
-            model.load_state_dict(state)
             metrics = evaluate(model, test.test_images, test.test_labels, device=device)
         if server_round == 0 and round_offset:
             return scalar_metrics(metrics)  # the resumed model: already recorded by the earlier run
         train, val = round_metrics()
-        recorder.save_checkpoint(state, round_offset + server_round)
+        recorder.save_checkpoint(model.state_dict(), round_offset + server_round)
         recorder.record_round(round_offset + server_round, metrics, train=train, val=val)
         return scalar_metrics(metrics)
 

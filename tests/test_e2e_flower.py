@@ -138,12 +138,13 @@ def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_m
     assert {p.name: p.read_bytes() for p in fednca_run.iterdir()} == before  # the earlier run is untouched
 
 
-def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_records_why(superlink, fednca_run, tmp_path):
+def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_records_why(superlink, own_multilabel, fednca_run, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(fednca_run, damaged)
     (damaged / "checkpoint.json").write_text('{"round": "abc"}')
     outcome = superlink.run_app(
-        {**TINY, "method": "fednca", "num-server-rounds": 3, "resume-from": str(damaged), "results-dir": str(tmp_path / "results")},
+        {**TINY, **DP, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(damaged),
+         "results-dir": str(tmp_path / "results")},
         num_supernodes=2,
     )
     assert not outcome.completed

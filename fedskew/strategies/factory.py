@@ -231,11 +231,15 @@ def site_identities(survey: dict[int, dict], num_classes: int) -> tuple[dict[int
     malformed reply, or a site-id that several nodes claim (the server cannot tell which one is the
     site, so none of them is trusted with it)."""
     identities, refused = {}, []
+    claimants: dict[int, list[int]] = {}
     for node, reply in sorted(survey.items()):
         site_id, counts = reply.get("site-id"), reply.get("label-counts")
         if not isinstance(site_id, int) or isinstance(site_id, bool) or not 0 <= site_id < 2**31:
             refused.append({"node": str(node), "reason": f"survey site-id must be an int in 0..{2**31 - 1}, got {site_id!r}"})
-        elif not (isinstance(counts, list) and len(counts) == num_classes
+            continue
+        # A claim counts even from a reply refused for its counts: a shared id is never trusted to anyone.
+        claimants.setdefault(site_id, []).append(node)
+        if not (isinstance(counts, list) and len(counts) == num_classes
                   and all(isinstance(n, int) and 0 <= n <= MAX_IMAGE_COUNT for n in counts)):  # fmt: skip
             refused.append(
                 {"node": str(node), "reason": f"survey label-counts must be {num_classes} ints in 0..{MAX_IMAGE_COUNT}, "
@@ -243,12 +247,9 @@ def site_identities(survey: dict[int, dict], num_classes: int) -> tuple[dict[int
             )  # fmt: skip
         else:
             identities[node] = SiteIdentity(node, site_id, tuple(counts))
-    claimants: dict[int, list[int]] = {}
-    for identity in identities.values():
-        claimants.setdefault(identity.site_id, []).append(identity.node)
     for site_id, nodes in claimants.items():
         if len(nodes) > 1:
-            for node in nodes:
+            for node in (n for n in nodes if n in identities):
                 del identities[node]
                 refused.append(
                     {"node": str(node), "site-id": site_id, "reason": f"nodes {nodes} all claim site-id {site_id}; "
