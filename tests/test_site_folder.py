@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from PIL import Image
 
 from fedskew.cli import main as cli_main
@@ -270,15 +271,18 @@ def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
 
     recorder = RunRecorder.create(CFG, multilabel=True, base=tmp_path)
     metrics = lambda: ({"train_loss": 0.5}, {"val_f1_macro": 0.25})  # noqa: E731
+    # Aggregation can hand back a float64 tensor for a float32 (or integer) buffer: the checkpoint keeps the model's dtype.
+    aggregated = ArrayRecord({"weight": torch.ones(1, 1, dtype=torch.float64), "bias": torch.ones(1)})
     evaluate_fn = make_evaluate_fn(torch.nn.Linear(1, 1), None, torch.device("cpu"), recorder, metrics)
-    assert len(evaluate_fn(1, ArrayRecord({"w": torch.ones(2)}))) == 0
+    assert len(evaluate_fn(1, aggregated)) == 0
     (entry,) = recorder.rounds
     assert entry["val"] == {"val_f1_macro": 0.25} and entry["test"] == {} and entry["train"]["train_loss"] == 0.5
     assert json.loads((recorder.path / "checkpoint.json").read_text())["round"] == 1
+    assert load_file(recorder.path / "model.safetensors")["weight"].dtype == torch.float32
     # A resumed run continues the numbering and does not record its starting model again.
     resumed = make_evaluate_fn(torch.nn.Linear(1, 1), None, torch.device("cpu"), recorder, metrics, round_offset=1)
-    resumed(0, ArrayRecord({"w": torch.ones(2)}))
-    resumed(1, ArrayRecord({"w": torch.ones(2)}))
+    resumed(0, aggregated)
+    resumed(1, aggregated)
     assert [r["round"] for r in recorder.rounds] == [1, 2]
 
 
