@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pytest
 import torch
 
 from fedskew.config import RunConfig
@@ -12,16 +11,8 @@ from fedskew.results import RunRecorder
 from fedskew.server_tasks import train_centralized
 
 
-@pytest.fixture
-def one_thread():
-    """Torch's thread pool spins while waiting: on a shared 2-core machine one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
-
-def test_centralized_trains_on_exactly_the_pooled_site_data_and_learns(tmp_path, one_thread):
+def test_centralized_trains_on_exactly_the_pooled_site_data_and_learns(tmp_path):
     cfg = RunConfig.from_run_config({"method": "centralized", "mosaic-grid": 0, "partition": "dirichlet", "alpha": 0.5,
                                      "model": "small-cnn", "num-server-rounds": 2, "local-epochs": 1, "batch-size": 64})  # fmt: skip
     recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path)
