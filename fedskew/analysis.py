@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from sklearn.manifold import TSNE  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
+from fedskew.data.pixels import unit_float  # noqa: E402
 from fedskew.models.fednca import FedNCAModel  # noqa: E402
 from fedskew.results import write_json  # noqa: E402
 
@@ -45,7 +46,7 @@ def positive_class_features(model: FedNCAModel, images: np.ndarray, labels: np.n
     model.to(device).eval()
     features, classes = [], []
     for start in range(0, len(images), batch_size):
-        x = torch.from_numpy(images[start:start + batch_size]).to(device)
+        x = unit_float(torch.from_numpy(images[start:start + batch_size])).to(device)
         present = torch.from_numpy(labels[start:start + batch_size] > 0.5)
         class_features = model.forward_with_features(x)[2].cpu()
         sample_index, class_index = present.nonzero(as_tuple=True)

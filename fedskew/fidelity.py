@@ -26,6 +26,7 @@ from scipy.linalg import sqrtm
 from fedskew.analysis import real_vs_synthetic_tsne
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
+from fedskew.data.pixels import unit_float
 from fedskew.data.sources import ImageDataset
 from fedskew.factory.library import SYNTHETIC_FILE, load_synthetic
 from fedskew.models.backbones import Classifier, build_backbone
@@ -93,7 +94,7 @@ def classifier_features(train_images: np.ndarray, train_labels: np.ndarray, num_
 def _pooled_backbone_features(net: Classifier, device: torch.device) -> FeatureFn:
     @torch.no_grad()
     def features(images: np.ndarray) -> np.ndarray:
-        out = [net.backbone.forward_features(torch.from_numpy(images[i:i + 256]).to(device)).mean(dim=(2, 3)).cpu()
+        out = [net.backbone.forward_features(unit_float(torch.from_numpy(images[i:i + 256])).to(device)).mean(dim=(2, 3)).cpu()
                for i in range(0, len(images), 256)]
         return torch.cat(out).numpy().astype(np.float64)
 
@@ -119,7 +120,7 @@ def inception_features(weights_path: str, device: torch.device) -> FeatureFn:
     def features(images: np.ndarray) -> np.ndarray:
         out = []
         for i in range(0, len(images), 64):
-            batch = torch.from_numpy(images[i:i + 64])
+            batch = unit_float(torch.from_numpy(images[i:i + 64]))
             if batch.shape[1] == 1:
                 batch = batch.repeat(1, 3, 1, 1)
             as_bytes = (batch * 255).round().clamp(0, 255).to(torch.uint8).to(device)

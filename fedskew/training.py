@@ -4,14 +4,16 @@ and shared by every method (the Flower handlers and the centralised bound call t
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
+from fedskew.data.pixels import unit_float
 from fedskew.metrics import multilabel_metrics, single_label_metrics
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -27,9 +29,17 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 
 def make_loader(images: np.ndarray, labels: np.ndarray, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
-    dataset = TensorDataset(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(np.ascontiguousarray(labels)))
+    """Batches of float32 images in [0, 1]; uint8 images stay uint8 in memory and are scaled per batch."""
+    with warnings.catch_warnings():  # shared read-only arrays (a cached dataset): the loader only reads them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        dataset = TensorDataset(*(torch.from_numpy(np.ascontiguousarray(array)) for array in (images, labels)))
     generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator, collate_fn=_unit_float_batch)
+
+
+def _unit_float_batch(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = default_collate(samples)
+    return unit_float(images), labels
 
 
 def classification_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+import torch
 from medmnist import INFO as MEDMNIST_INFO
 
 from fedskew.data.mosaic import mosaic_dataset, mosaic_grid
@@ -34,6 +35,7 @@ from fedskew.data.sources import (
     load_source,
     medmnist_file,
 )
+from fedskew.training import make_loader
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -359,7 +361,13 @@ def test_npz_loader_reads_a_valid_file_and_merges_val_into_train(tmp_path):
     assert dataset.train_images.shape == (16, 1, 5, 5) and dataset.test_images.shape == (6, 1, 5, 5)
     assert dataset.num_classes == 4 and dataset.class_names == ("0", "1", "2", "3")
     assert dataset.train_labels.dtype == np.int64 and dataset.train_labels[-1] == 3
-    assert 0 <= dataset.train_images.min() and dataset.train_images.max() <= 1
+    # 8-bit pixels stay uint8 (a quarter of float32's memory) until a loader scales them per batch.
+    with np.load(tmp_path / "toy.npz") as raw:
+        np.testing.assert_array_equal(dataset.train_images[:, 0], np.concatenate([raw["train_images"], raw["val_images"]]))
+    assert dataset.train_images.dtype == np.uint8
+    batch, _ = next(iter(make_loader(dataset.train_images, dataset.train_labels, 16, shuffle=False)))
+    assert batch.dtype == torch.float32
+    np.testing.assert_array_equal(batch.numpy(), dataset.train_images.astype(np.float32) / np.float32(255))
     rgb_multilabel = write_npz(
         tmp_path / "rgb.npz",
         train_images=np.zeros((3, 4, 4, 3), dtype=np.uint8),
@@ -373,6 +381,8 @@ def test_npz_loader_reads_a_valid_file_and_merges_val_into_train(tmp_path):
     dataset = load_source("npz:rgb.npz", data_root=tmp_path)  # relative paths resolve under data_root
     assert dataset.multilabel and dataset.image_shape == (3, 4, 4) and dataset.class_names == ("cat", "dog")
     assert dataset.train_labels.dtype == np.float32 and dataset.test_images.max() == 1
+    # uint8 train beside float test: every split becomes float in [0, 1], so no 0-255 value reads as a float pixel.
+    assert dataset.train_images.dtype == dataset.test_images.dtype == np.float32 and dataset.train_images.max() == 0
     assert rgb_multilabel.exists()
 
 
@@ -490,7 +500,7 @@ def test_an_official_layout_file_at_64_or_224_px_loads_with_its_info(name, size,
     assert dataset.image_shape == (channels, size, size) and len(dataset.train_labels) == 8
     assert dataset.multilabel == (label_width == 14) and dataset.num_classes == k
     assert dataset.class_names == tuple(MEDMNIST_INFO[name]["label"][str(c)] for c in range(k))
-    first = arrays["test_images"][0].astype(np.float32) / 255  # (H, W) or (H, W, 3) as stored
+    first = arrays["test_images"][0]  # (H, W) or (H, W, 3) as stored; kept uint8 (see fedskew/data/pixels.py)
     np.testing.assert_array_equal(dataset.test_images[0, 0], first[..., 0] if channels == 3 else first)
 
 

@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from fedskew.cli import main as cli_main
 from fedskew.client_tasks import load_site, site_survey
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.site_folder import (
+    permute_rows_in_place,
     DeployedSite,
     SiteFolderError,
     load_test_set,
@@ -331,3 +334,14 @@ def test_a_multi_hot_npz_is_read_as_multi_label_and_checked_against_the_config_w
                      "--min-site-size", "5", "--out", str(tmp_path / "sites")]) == 0  # fmt: skip
     site = load_site(RunConfig.from_run_config(auto), {"data-dir": str(tmp_path / "sites" / "site-0")})
     assert site.multilabel and site.class_names == CLASS_NAMES
+
+
+@given(st.integers(0, 40).flatmap(lambda n: st.permutations(range(n))))
+def test_rows_reordered_in_place_equal_fancy_indexing(order):
+    # A deployed site splits its images by reordering them in place (no second copy of a large site):
+    # it must give exactly what indexing gives, also on the non-contiguous (N, C, H, W) view of NHWC pixels.
+    pixels = np.arange(len(order) * 2 * 3 * 3, dtype=np.uint8).reshape(len(order), 2, 3, 3)
+    images = pixels.transpose(0, 3, 1, 2)
+    expected = images[np.asarray(order, dtype=np.int64)].copy()
+    permute_rows_in_place(images, np.asarray(order, dtype=np.int64))
+    np.testing.assert_array_equal(images, expected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedskew.data.pixels import unit_float
 from fedskew.data.sources import ImageDataset
 
 
@@ -53,10 +54,10 @@ def mosaic_dataset(dataset: ImageDataset, grid: int, seed: int) -> ImageDataset:
         raise ValueError(f"mosaic needs a single-label source; {dataset.name} is already multi-label")
     train_rng, test_rng = np.random.default_rng(seed).spawn(2)
     train_images, train_labels = mosaic_grid(
-        dataset.train_images, dataset.train_labels, dataset.num_classes, grid, len(dataset.train_images), train_rng
+        unit_float(dataset.train_images), dataset.train_labels, dataset.num_classes, grid, len(dataset.train_images), train_rng
     )
     test_images, test_labels = mosaic_grid(
-        dataset.test_images, dataset.test_labels, dataset.num_classes, grid, len(dataset.test_images), test_rng
+        unit_float(dataset.test_images), dataset.test_labels, dataset.num_classes, grid, len(dataset.test_images), test_rng
     )
     return ImageDataset(
         train_images=train_images,

@@ -68,8 +68,9 @@ def cached_arrays(
     entry = cache_dir / key
     if (entry / "done").is_file():
         try:
-            # Memory-mapped: the site copies out its train/validation rows, reading each page once.
-            return {p.stem: np.load(p, mmap_mode="r", allow_pickle=False) for p in entry.glob("*.npy")}
+            # Memory-mapped copy-on-write: pages are read once, and the site may reorder its rows in place
+            # (its train/validation split) without touching the cache or holding a second copy.
+            return {p.stem: np.load(p, mmap_mode="c", allow_pickle=False) for p in entry.glob("*.npy")}
         except (OSError, ValueError):
             pass  # a damaged entry: read the data again and replace it
     arrays = read()

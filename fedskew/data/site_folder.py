@@ -40,14 +40,16 @@ from fedskew.data.sources import (
     DataSourceError,
     ImageDataset,
     _checked_labels,
-    _file_version,
     _images_to_nchw,
-    _read_npz,
     load_npz,
     medmnist_file,
+    read_npz,
     resize_dataset,
     resize_images,
+    joined,
+    same_pixel_type,
 )
+from fedskew.data.pixels import unit_float
 
 DATA_DIR_KEY = "data-dir"
 IMAGES_DIR, LABELS_FILE, CLASSES_FILE, SITE_NPZ = "images", "labels.csv", "classes.txt", "site.npz"
@@ -67,7 +69,7 @@ class SiteFolderError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class LabelledImages:
-    images: np.ndarray  # float32 (N, C, H, W) in [0, 1]
+    images: np.ndarray  # (N, C, H, W): float32 in [0, 1] or uint8 0-255 (see fedskew/data/pixels.py)
     labels: np.ndarray  # int64 (N,) class ids or float32 (N, K) multi-hot
     class_names: tuple[str, ...]
 
@@ -271,7 +273,7 @@ def decode_image(path: Path, where: str = "") -> np.ndarray:
 
 def _read_npz_layout(path: Path, multilabel: bool | None, image_size: int) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     try:
-        arrays = _read_npz(str(path), *_file_version(path))
+        arrays = read_npz(path)
     except DataSourceError as err:
         raise SiteFolderError(str(err)) from err
     if "train_images" not in arrays or "train_labels" not in arrays:
@@ -281,8 +283,9 @@ def _read_npz_layout(path: Path, multilabel: bool | None, image_size: int) -> tu
         )
     splits = ["train"] + (["val"] if "val_images" in arrays and "val_labels" in arrays else [])
     try:
-        images = np.concatenate([_images_to_nchw(arrays[f"{s}_images"], str(path), f"{s}_images") for s in splits])
-        labels = np.concatenate([_checked_labels(arrays[f"{s}_labels"], str(path), f"{s}_labels") for s in splits])
+        images = same_pixel_type({s: _images_to_nchw(arrays[f"{s}_images"], str(path), f"{s}_images") for s in splits})
+        labels = {s: _checked_labels(arrays[f"{s}_labels"], str(path), f"{s}_labels") for s in splits}
+        images, labels = (joined(*parts.values()) if len(parts) == 2 else parts["train"] for parts in (images, labels))
     except (DataSourceError, ValueError) as err:
         raise SiteFolderError(f"{path}: {err}") from err
     if len(images) != len(labels) or len(images) == 0:
@@ -416,18 +419,44 @@ def _split_site(
     num_sites: int,
     data_dir: Path,
 ) -> DeployedSite:
+    """The site's data split into train and validation. Writable `images` (read for this call) are reordered
+    in place, so the split holds no second copy of a large site; shared read-only ones are copied."""
     train_idx, val_idx = site_validation_split(cfg, np.arange(len(labels)), site_id)
+    if images.flags.writeable:
+        permute_rows_in_place(images, np.concatenate([train_idx, val_idx]))
+        train_images, val_images = images[: len(train_idx)], images[len(train_idx) :]
+    else:
+        train_images, val_images = images[train_idx], images[val_idx]
     return DeployedSite(
         site_id=site_id,
         num_sites=num_sites,
-        train_images=images[train_idx],
+        train_images=train_images,
         train_labels=labels[train_idx],
-        val_images=images[val_idx],
+        val_images=val_images,
         val_labels=labels[val_idx],
         num_classes=len(class_names),
         class_names=class_names,
         data_dir=str(data_dir),
     )
+
+
+def permute_rows_in_place(array: np.ndarray, order: np.ndarray) -> None:
+    """array[:] = array[order] for a permutation `order`, one cycle at a time with one row of extra memory."""
+    if not np.array_equal(np.sort(order), np.arange(len(array))):
+        raise ValueError(f"order is not a permutation of the {len(array)} rows")
+    placed = np.zeros(len(order), dtype=bool)
+    for start in range(len(order)):
+        if placed[start]:
+            continue
+        saved, row = array[start].copy(), start
+        while True:  # row receives array[order[row]], which is read before it is overwritten
+            placed[row] = True
+            source = int(order[row])
+            if source == start:
+                array[row] = saved
+                break
+            array[row] = array[source]
+            row = source
 
 
 def load_test_set(cfg: RunConfig, path: str | Path) -> ImageDataset:
@@ -468,9 +497,9 @@ FORMATS = ("png", "npz")
 def write_labelled_folder(
     folder: str | Path, images: np.ndarray, labels: np.ndarray, class_names: tuple[str, ...], fmt: str = "png"
 ) -> Path:
-    """Write images (N, C, H, W) in [0, 1] and their labels in the `png` (images/ + labels.csv + classes.txt)
+    """Write images (N, C, H, W) (float32 in [0, 1] or uint8) and their labels in the `png` (images/ + labels.csv + classes.txt)
     or `npz` (site.npz) layout. PNG stores 8 bits per channel, so pixels are rounded to multiples of 1/255;
-    npz keeps the float32 values exactly."""
+    npz keeps the values and their dtype exactly."""
     folder = Path(folder)
     if fmt not in FORMATS:
         raise SiteFolderError(f"format {fmt!r} is invalid; valid: {', '.join(FORMATS)}")
@@ -491,7 +520,7 @@ def write_labelled_folder(
         )
         return folder
     (folder / IMAGES_DIR).mkdir()
-    pixels = np.rint(np.clip(images, 0.0, 1.0) * 255).astype(np.uint8).transpose(0, 2, 3, 1)
+    pixels = np.rint(np.clip(unit_float(images), 0.0, 1.0) * 255).astype(np.uint8).transpose(0, 2, 3, 1)
     rows = []
     for index, (image, label) in enumerate(zip(pixels, labels)):
         name = f"{index:06d}.png"

@@ -1,7 +1,8 @@
 """Image data sources: scikit-learn digits, MedMNIST, MedMNIST-layout npz files and CIFAR-10.
 
-Every source is returned as an `ImageDataset` of float32 (N, C, H, W) images in [0, 1] with
-int64 class ids (N,) or float32 multi-hot labels (N, K).
+Every source is returned as an `ImageDataset` of (N, C, H, W) images with int64 class ids (N,) or
+float32 multi-hot labels (N, K). Images are float32 in [0, 1], or uint8 0-255 where the source stores
+8-bit pixels (MedMNIST, most npz files; see fedskew/data/pixels.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import download_url
 
 from fedskew.config import GENERATED_DATASETS
+from fedskew.data.pixels import unit_float
 
 MEDMNIST_SIZES = (28, 64, 128, 224)
 MEDMNIST_2D_NAMES = tuple(name for name in MEDMNIST_INFO if not name.endswith("3d"))
@@ -42,7 +45,7 @@ class DataSourceError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class ImageDataset:
-    train_images: np.ndarray  # float32 (N, C, H, W) in [0, 1]
+    train_images: np.ndarray  # (N, C, H, W): float32 in [0, 1] or uint8 0-255 (see fedskew/data/pixels.py)
     train_labels: np.ndarray  # int64 (N,) class ids or float32 (N, K) multi-hot
     test_images: np.ndarray
     test_labels: np.ndarray
@@ -109,7 +112,7 @@ def resize_images(images: np.ndarray, size: int, batch_size: int = 2048) -> np.n
     """Bilinear, antialiased resize of (N, C, H, W) images to (N, C, size, size), in batches to bound memory."""
     resized = np.empty((len(images), images.shape[1], size, size), dtype=np.float32)
     for start in range(0, len(images), batch_size):
-        batch = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size]))
+        batch = unit_float(torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size])))
         resized[start : start + batch_size] = F.interpolate(
             batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False
         ).numpy()
@@ -163,9 +166,9 @@ def _load_cifar10(root: Path, allow_download: bool) -> ImageDataset:
             f"{root / 'cifar-10-batches-py'} exists ({how})"
         ) from err
     return ImageDataset(
-        train_images=_images_to_nchw(train.data, "cifar10", "train images"),
+        train_images=np.ascontiguousarray(_images_to_nchw(train.data, "cifar10", "train images")),
         train_labels=np.asarray(train.targets, dtype=np.int64),
-        test_images=_images_to_nchw(test.data, "cifar10", "test images"),
+        test_images=np.ascontiguousarray(_images_to_nchw(test.data, "cifar10", "test images")),
         test_labels=np.asarray(test.targets, dtype=np.int64),
         num_classes=len(train.classes),
         class_names=tuple(train.classes),
@@ -200,9 +203,7 @@ def _load_medmnist(name: str, data_root: Path, image_size: int, allow_download: 
             f"or a different version): delete it and download it again from {url}, or place the official file there"
         )
     class_names = tuple(info["label"][key] for key in sorted(info["label"], key=int))
-    return _dataset_from_npz_arrays(
-        _read_npz(str(path), *_file_version(path)), str(path), name=f"medmnist:{name}", class_names=class_names
-    )
+    return _npz_dataset(str(path), *_file_version(path), name=f"medmnist:{name}", class_names=class_names)
 
 
 def _download(url: str, path: Path) -> None:
@@ -233,16 +234,77 @@ def _file_md5(path: str, mtime_ns: int, size: int) -> str:
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=2)
-def _read_npz(path: str, mtime_ns: int, size: int) -> dict[str, np.ndarray]:
+def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+    """Every array of an npz archive (not cached: the datasets built from it are).
+
+    When train and val images are both uint8 of one shape they are read straight into one buffer and
+    returned merged, as 'train_images' and 'train_labels' with empty val arrays: the merge every caller
+    makes then costs no second copy of the largest array (what keeps a 5,000-image 224 px site under 2 GB)."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {key: archive[key] for key in archive.files}
+        with zipfile.ZipFile(path) as archive:
+            images = _train_val_images(archive)
+        with np.load(path, allow_pickle=False) as npz:
+            merged = () if images is None else ("train_images", "val_images")
+            arrays = {key: npz[key] for key in npz.files if key not in merged}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise DataSourceError(f"cannot read {path} as an npz archive: {err}") from err
-    for array in arrays.values():
-        array.setflags(write=False)  # shared through the cache
-    return arrays
+    if images is None:
+        return arrays
+    labels = np.concatenate([arrays["train_labels"], arrays["val_labels"]])
+    return arrays | {"train_images": images, "val_images": images[:0], "train_labels": labels, "val_labels": labels[:0]}
+
+
+def _train_val_images(archive: zipfile.ZipFile) -> np.ndarray | None:
+    """train then val images in one uint8 buffer, read in place; None when they are not both uint8 arrays of
+    one image shape with matching label rows (the general path then reads them and names what is wrong)."""
+    names = ("train_images", "val_images", "train_labels", "val_labels")
+    if not all(f"{name}.npy" in archive.namelist() for name in names):
+        return None
+    headers = {}
+    for name in names:
+        with archive.open(f"{name}.npy") as member:
+            headers[name] = _npy_header(member)
+    (train, train_fortran, train_dtype), (val, val_fortran, val_dtype) = headers["train_images"], headers["val_images"]
+    train_labels, val_labels = headers["train_labels"][0], headers["val_labels"][0]
+    if (train_dtype != np.uint8 or val_dtype != np.uint8 or train_fortran or val_fortran or len(train) < 3
+            or train[1:] != val[1:] or train_labels[:1] != train[:1] or val_labels[:1] != val[:1]
+            or train_labels[1:] != val_labels[1:]):  # fmt: skip
+        return None
+    images = np.empty((train[0] + val[0], *train[1:]), dtype=np.uint8)
+    _read_npy_into(archive, "train_images.npy", images[: train[0]])
+    _read_npy_into(archive, "val_images.npy", images[train[0] :])
+    return images
+
+
+def _npy_header(member: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of an open .npy member, which is left at the start of its data."""
+    version = np.lib.format.read_magic(member)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read(member)
+
+
+def _read_npy_into(archive: zipfile.ZipFile, name: str, out: np.ndarray) -> None:
+    """The data of .npy member `name` into the C-contiguous `out`, in 4 MiB reads (no full-size temporary)."""
+    with archive.open(name) as member:
+        _npy_header(member)
+        buffer = memoryview(out.reshape(-1))
+        while buffer:
+            read = member.readinto(buffer[: 1 << 22])
+            if not read:
+                raise ValueError(f"{name} ends before its {out.shape} array does (truncated archive)")
+            buffer = buffer[read:]
+
+
+@functools.lru_cache(maxsize=2)
+def _npz_dataset(
+    path: str, mtime_ns: int, size: int, *, name: str, class_names: tuple[str, ...] | None = None
+) -> ImageDataset:
+    """The dataset of an npz file, cached per file version: simulated sites in one process share it.
+    Its arrays are read-only because they are shared."""
+    dataset = _dataset_from_npz_arrays(read_npz(path), path, name=name, class_names=class_names)
+    for array in (dataset.train_images, dataset.train_labels, dataset.test_images, dataset.test_labels):
+        array.setflags(write=False)
+    return dataset
 
 
 def load_npz(path: str | Path) -> ImageDataset:
@@ -250,7 +312,7 @@ def load_npz(path: str | Path) -> ImageDataset:
     path = Path(path)
     if not path.is_file():
         raise DataSourceError(f"npz dataset file {path} not found; give an existing file in MedMNIST npz layout")
-    return _dataset_from_npz_arrays(_read_npz(str(path), *_file_version(path)), str(path), name=f"npz:{path.name}")
+    return _npz_dataset(str(path), *_file_version(path), name=f"npz:{path.name}")
 
 
 def _dataset_from_npz_arrays(
@@ -264,7 +326,7 @@ def _dataset_from_npz_arrays(
             f"{source}: missing key(s) {', '.join(missing)}; the file has {sorted(arrays)} but needs "
             "{train,val,test}_{images,labels}"
         )
-    images = {split: _images_to_nchw(arrays[f"{split}_images"], source, f"{split}_images") for split in NPZ_SPLITS}
+    images = same_pixel_type({split: _images_to_nchw(arrays[f"{split}_images"], source, f"{split}_images") for split in NPZ_SPLITS})
     labels = {split: _checked_labels(arrays[f"{split}_labels"], source, f"{split}_labels") for split in NPZ_SPLITS}
     for split in NPZ_SPLITS:
         if len(images[split]) != len(labels[split]):
@@ -297,14 +359,26 @@ def _dataset_from_npz_arrays(
             f"({', '.join(class_names)})"
         )
     return ImageDataset(
-        train_images=np.concatenate([images["train"], images["val"]]),
-        train_labels=np.concatenate([labels["train"], labels["val"]]),
-        test_images=images["test"],
+        train_images=joined(images["train"], images["val"]),
+        train_labels=joined(labels["train"], labels["val"]),
+        test_images=np.ascontiguousarray(images["test"]),
         test_labels=labels["test"],
         num_classes=len(class_names),
         class_names=class_names,
         name=name,
     )
+
+
+def joined(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """first then second along axis 0; `first` itself (no copy, a view) when second is empty (see read_npz)."""
+    return first if len(second) == 0 else np.concatenate([first, second])
+
+
+def same_pixel_type(images: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Splits kept uint8 only when all are: concatenating uint8 with float would read 0-255 as float pixels."""
+    if len({array.dtype for array in images.values()}) == 1:
+        return images
+    return {split: unit_float(array) for split, array in images.items()}
 
 
 def _npz_class_names(arrays: dict[str, np.ndarray], source: str, num_classes: int) -> tuple[str, ...]:
@@ -319,13 +393,14 @@ def _npz_class_names(arrays: dict[str, np.ndarray], source: str, num_classes: in
 
 
 def _images_to_nchw(images: np.ndarray, source: str, key: str) -> np.ndarray:
-    """(N, H, W) or (N, H, W, C) uint8 / [0, 1] float images as float32 (N, C, H, W)."""
+    """(N, H, W) or (N, H, W, C) uint8 / [0, 1] float images as (N, C, H, W): uint8 kept (see `unit_float`),
+    float as float32. A view where possible: the caller's concatenation makes the one contiguous copy."""
     if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[3] not in (1, 3)):
         raise DataSourceError(
             f"{source}: '{key}' has shape {images.shape}; expected (N, H, W) or (N, H, W, C) with C = 1 (grey) or 3 (RGB)"
         )
     if images.dtype == np.uint8:
-        scaled = images.astype(np.float32) / 255.0
+        scaled = images
     elif np.issubdtype(images.dtype, np.floating):
         if not np.isfinite(images).all():
             raise DataSourceError(f"{source}: '{key}' contains NaN or infinite values; expected values in [0, 1]")
@@ -337,7 +412,7 @@ def _images_to_nchw(images: np.ndarray, source: str, key: str) -> np.ndarray:
         scaled = images.astype(np.float32)
     else:
         raise DataSourceError(f"{source}: '{key}' has dtype {images.dtype}; expected uint8 (0-255) or float in [0, 1]")
-    return np.ascontiguousarray(scaled[:, None] if scaled.ndim == 3 else scaled.transpose(0, 3, 1, 2))
+    return scaled[:, None] if scaled.ndim == 3 else scaled.transpose(0, 3, 1, 2)
 
 
 def _checked_labels(labels: np.ndarray, source: str, key: str) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedskew.config import FactorySection, RunConfig
+from fedskew.data.pixels import unit_float
 from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
@@ -110,8 +111,8 @@ def audit_generator(
             steps=factory.sampler_steps, seed=derived_seed(seed, class_id), batch_size=factory.sample_batch_size,
             device=device,
         )  # fmt: skip
-        train = site.train_images[site.train_labels == class_id]
-        heldout = site.val_images[site.val_labels == class_id]
+        train = unit_float(site.train_images[site.train_labels == class_id])
+        heldout = unit_float(site.val_images[site.val_labels == class_id])
         shares.append(memorization_share(samples, train, heldout))
     return float("nan") if any(np.isnan(shares)) else max(shares)
 
@@ -231,7 +232,7 @@ def train_site_expert(
                 library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
                 progress=False,
             )  # fmt: skip
-        images = np.concatenate([images, synthetic.images])
+        images = np.concatenate([unit_float(images), synthetic.images])
         labels = np.concatenate([labels, synthetic.labels])
     with timed(training):
         model, stats = train_classifier(

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedskew.data.pixels import unit_float
+
 SIGMA_DATA = 0.5
 SAMPLER_SIGMA_MIN = 0.002
 SAMPLER_SIGMA_MAX = 80.0
@@ -770,7 +772,7 @@ def train_generator(
     mixed = autocast_dtype(precision, device)
     rng = np.random.default_rng(config.seed)
     torch_rng = torch.Generator(device=device).manual_seed(config.seed)
-    data = torch.from_numpy(images).to(device) * 2 - 1
+    data = unit_float(torch.from_numpy(images)).to(device) * 2 - 1
     class_ids = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device) if labels is not None else None
 
     fork_devices = [device] if device.type == "cuda" else []
