@@ -31,6 +31,7 @@ MEDMNIST_MULTILABEL_TASK = "multi-label, binary-class"  # the `task` of medmnist
 # A generator that does not copy its training images scores ~0 (0.0% on every digit class in the generator
 # benchmark); a deployed site refuses to upload one whose audit finds more than 1 sample in 20 a near-copy.
 DEPLOYED_MAX_MEMORIZATION = 0.05
+FEDERATED_EVALUATION = "federated"  # test-data value: no server test set, the sites' validation metrics
 
 
 class ConfigError(ValueError):
@@ -230,6 +231,11 @@ class RunConfig(_Section):
         "", description="Server test set: empty = the dataset's test split; a path to a site-layout folder or a "
         "MedMNIST-layout npz; `federated` = none, the sites' validation metrics weighted by examples."
     )
+    val_data: str = Field(
+        "", description="Server validation set that chooses the best round instead of the sites' validation "
+        "splits: empty = none; a path, read like `test-data` (a site-layout folder, all of it, or a "
+        "MedMNIST-layout npz's test split); never the test data itself. Round-based methods only."
+    )
     allow_download: bool = Field(
         False, description="Download MedMNIST/CIFAR-10 files into `data-root` when they are missing."
     )
@@ -332,6 +338,12 @@ class RunConfig(_Section):
                 raise ValueError(problems[0])
         if self.centralized_model == "fednca" and self.label_kind == "single":
             raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
+        if self.val_data and self.method in ("factory", "factory-p2p"):
+            raise _field_error("val-data", self.val_data, "empty for method "
+                               f"{self.method!r} (its classifier epoch is chosen inside the one round)")  # fmt: skip
+        if self.val_data and self.val_data in (self.test_data, FEDERATED_EVALUATION):
+            raise _field_error("val-data", self.val_data, "a path other than test-data (validation must not be "
+                               "the split that is reported)")  # fmt: skip
         _check_dp(self)
         return self
 

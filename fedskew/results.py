@@ -144,7 +144,9 @@ class RunRecorder:
         test: dict[str, Any],
         train: dict[str, Any] | None = None,
         val: dict[str, Any] | None = None,
+        server_val: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One round's entry; `server_val` (the server's val-data metrics, when given) chooses the best round."""
         now = time.perf_counter()
         entry = {
             "round": server_round,
@@ -154,6 +156,8 @@ class RunRecorder:
             "val": val or {},
             "test": test,
         }
+        if server_val is not None:
+            entry["server_val"] = server_val
         if "privacy" in self.extra:  # differential privacy: the epsilon spent up to this round
             entry["privacy"] = {k: self.extra["privacy"][k] for k in ("epsilon", "delta", "mode")}
         self._round_start = now
@@ -168,9 +172,9 @@ class RunRecorder:
         return entry
 
     def log_tensorboard(self, entry: dict[str, Any]) -> None:
-        """One scalar per metric (`train/...`, `val/...`, `test/...`) and the round time, at step = round."""
-        for split in ("train", "val", "test"):
-            for key, value in scalar_metrics(entry[split]).items():
+        """One scalar per metric (`train/...`, `val/...`, `server_val/...`, `test/...`) and the round time, at step = round."""
+        for split in ("train", "val", "server_val", "test"):
+            for key, value in scalar_metrics(entry.get(split, {})).items():
                 self.tensorboard.add_scalar(f"{split}/{key}", value, entry["round"])
         self.tensorboard.add_scalar("time/round_seconds", entry["round_seconds"], entry["round"])
         self.tensorboard.flush()
@@ -188,8 +192,9 @@ class RunRecorder:
         return "val_" + headline_metric(self.multilabel)
 
     def best_round(self) -> tuple[dict[str, Any] | None, str]:
-        """(the selected round, which split chose it). Rounds are chosen on the sites' federated validation
-        metrics (weighted by examples) only; the test metrics are just reported at that round. Without
+        """(the selected round, which split chose it). Rounds are chosen on validation metrics only: the
+        server's validation split (val-data) when the run has one, else the sites' federated validation
+        metrics (weighted by examples); the test metrics are just reported at that round. Without
         validation metrics the final round is reported and `selected_by` says so."""
         trained = [r for r in self.rounds if r["round"] > 0]
         if not trained:
@@ -197,11 +202,15 @@ class RunRecorder:
         if self.selected_within:
             return trained[-1], self.selected_within
         key = self.selection_key()
-        scored = [r for r in trained if isinstance(r["val"].get(key), (int, float)) and math.isfinite(r["val"][key])]
+        split, source = (
+            ("server_val", "the server's validation split (val-data)") if any("server_val" in r for r in trained)
+            else ("val", "the sites' validation splits, weighted by examples")
+        )  # fmt: skip
+        scored = [r for r in trained if isinstance(r.get(split, {}).get(key), (int, float)) and math.isfinite(r[split][key])]
         if not scored:
             return trained[-1], "the final round: no validation metrics were recorded (val-fraction = 0 or none reported)"
         # max keeps the earliest of equally good rounds.
-        return max(scored, key=lambda r: r["val"][key]), f"{key}: the sites' validation splits, weighted by examples"
+        return max(scored, key=lambda r: r[split][key]), f"{key}: {source}"
 
     def write_summary(self, status: str, reason: str | None = None) -> Path:
         final = self.rounds[-1] if self.rounds else None

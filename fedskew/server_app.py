@@ -16,6 +16,7 @@ from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
     agreed_task_shape,
     load_server_test_set,
+    load_server_validation_set,
     make_evaluate_fn,
     refuse_sites,
     resume_point,
@@ -46,6 +47,7 @@ def main(grid: Grid, context: Context) -> None:
         recorder.multilabel = task.multilabel  # with labels = "auto" only the data tells
         recorder.model_card = run_model_card(cfg, task.class_names, task.multilabel, task.image_shape)
         write_partition(recorder, survey, task.class_names)
+        validation = load_server_validation_set(cfg, task)
         num_sites = next(iter(survey.values()))["num-sites"]
         # Flower simulates 2 sites unless told otherwise, and an app cannot change that: say it in the log.
         print(f"fedskew: {len(survey)} site(s) take part (in simulation: --federation-config \"num-supernodes=N\"; "
@@ -54,7 +56,7 @@ def main(grid: Grid, context: Context) -> None:
         if cfg.method in ("factory", "factory-p2p"):
             run_factory(grid, cfg, survey, task, test, recorder, device)
         elif cfg.method == "centralized":
-            train_centralized(cfg, task, num_sites, device, recorder)
+            train_centralized(cfg, task, num_sites, device, recorder, validation)
         else:
             etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
             recorder.etf = etf  # stored in the model files: the model is unusable without it
@@ -78,6 +80,7 @@ def main(grid: Grid, context: Context) -> None:
                     recorder,
                     lambda: (strategy.last_train_metrics, strategy.last_val_metrics),
                     round_offset=done,
+                    validation=validation,
                 ),
             )
             if cfg.method == "fednca" and test is not None and model.use_ladm:

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedskew.client_tasks import VAL_METRICS, local_optimisation
-from fedskew.config import RunConfig, check_label_kind
+from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_site_data
@@ -132,11 +132,13 @@ def make_evaluate_fn(
     recorder: RunRecorder,
     round_metrics: Callable[[], tuple[dict, dict]],
     round_offset: int = 0,
+    validation: ImageDataset | None = None,
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
     """After every round: evaluate the global model on the server's test split (with no test data,
-    the sites' aggregated validation metrics are the round's evaluation), checkpoint it, and record
-    the round. `round_offset` numbers the rounds of a resumed run after the earlier ones. Flower
-    calls this after the round's federated evaluation, so the validation metrics are current."""
+    the sites' aggregated validation metrics are the round's evaluation) and on its validation split
+    when val-data gives one, checkpoint it, and record the round. `round_offset` numbers the rounds of
+    a resumed run after the earlier ones. Flower calls this after the round's federated evaluation,
+    so the validation metrics are current."""
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         # Loaded into the model first: aggregation (Flower's DP wrappers among it) can hand back integer
@@ -149,14 +151,20 @@ def make_evaluate_fn(
             return scalar_metrics(metrics)  # the resumed model: already recorded by the earlier run
         train, val = round_metrics()
         recorder.save_checkpoint(model.state_dict(), round_offset + server_round)
-        recorder.record_round(round_offset + server_round, metrics, train=train, val=val)
+        recorder.record_round(round_offset + server_round, metrics, train=train, val=val,
+                              server_val=server_validation(model, validation, device))  # fmt: skip
         return scalar_metrics(metrics)
 
     return evaluate_fn
 
 
 def train_centralized(
-    cfg: RunConfig, task: TaskShape | ImageDataset, num_sites: int, device: torch.device, recorder: RunRecorder
+    cfg: RunConfig,
+    task: TaskShape | ImageDataset,
+    num_sites: int,
+    device: torch.device,
+    recorder: RunRecorder,
+    validation: ImageDataset | None = None,
 ) -> None:
     """The upper bound: the model of the method it bounds (`centralized-model`), with that method's
     losses and optimiser, on the pooled site training data for the same sample passes (rounds x local
@@ -177,7 +185,8 @@ def train_centralized(
         )
         metrics = evaluate(model, test.test_images, test.test_labels, device=device)
         recorder.save_checkpoint(model.state_dict(), server_round)
-        recorder.record_round(server_round, metrics, train=stats, val=pooled_validation(model, val_images, val_labels, device))
+        recorder.record_round(server_round, metrics, train=stats, val=pooled_validation(model, val_images, val_labels, device),
+                              server_val=server_validation(model, validation, device))  # fmt: skip
 
 
 def pooled_validation(model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device) -> dict:
@@ -189,9 +198,29 @@ def pooled_validation(model: nn.Module, images: np.ndarray, labels: np.ndarray, 
     return {f"val_{k}": float(metrics[k]) for k in VAL_METRICS[labels.ndim == 2]}
 
 
-# --- deployment: where the server's test data comes from, and federated evaluation -------------------
+def server_validation(model: nn.Module, validation: ImageDataset | None, device: torch.device) -> dict | None:
+    """The round's metrics on the server's validation split (val-data), keyed like the sites' validation
+    metrics; None without one."""
+    return None if validation is None else pooled_validation(model, validation.test_images, validation.test_labels, device)
 
-FEDERATED_EVALUATION = "federated"
+
+def load_server_validation_set(cfg: RunConfig, task: TaskShape | ImageDataset) -> ImageDataset | None:
+    """The server's validation set (run-config val-data), read like test-data; it must hold the task's
+    label kind, classes and image shape. None when val-data is empty."""
+    if not cfg.val_data:
+        return None
+    validation = load_test_set(cfg, cfg.val_data)
+    found = (validation.multilabel, validation.num_classes, validation.image_shape)
+    if found != (task.multilabel, task.num_classes, task.image_shape):
+        raise ValueError(
+            f"run-config val-data = {cfg.val_data!r} holds {'multi' if found[0] else 'single'}-label data with "
+            f"{found[1]} classes of shape {found[2]}, but the sites' task has {'multi' if task.multilabel else 'single'}"
+            f"-label data with {task.num_classes} classes of shape {task.image_shape}; give validation data of the task"
+        )
+    return validation
+
+
+# --- deployment: where the server's test data comes from, and federated evaluation -------------------
 
 
 def load_server_test_set(cfg: RunConfig) -> ImageDataset | None:

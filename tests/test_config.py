@@ -45,6 +45,9 @@ def test_pyproject_and_configuration_page_tables_are_generated_from_the_model():
         ({"labels": "single", "mosaic-grid": 0, "partition": "iid"}, ["'method'", "fednca", "multi-label"]),
         ({"labels": "multi", "method": "factory", "partition": "iid"}, ["'method'", "factory", "single-label data"]),
         ({"dataset": "medmnist:pathmnist", "mosaic-grid": 0}, ["'method'", "fednca", "multi-label"]),
+        ({"val-data": "held/out", "test-data": "held/out"}, ["'val-data'", "held/out", "other than test-data"]),
+        ({"val-data": "federated"}, ["'val-data'", "other than test-data"]),
+        ({"val-data": "v", "method": "factory", "mosaic-grid": 0, "partition": "iid"}, ["'val-data'", "empty for method 'factory'"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(overrides, fragments):

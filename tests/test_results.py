@@ -23,6 +23,16 @@ def test_the_best_round_is_chosen_on_validation_and_reports_test_metrics_at_that
     assert summary["final"] == {"f1_macro": 0.8}
 
 
+def test_a_server_validation_split_chooses_the_round_when_the_run_has_one(tmp_path):
+    recorder = _recorder(tmp_path)
+    # The sites' validation prefers round 1, the server's val-data round 2: val-data decides.
+    recorder.record_round(1, {"f1_macro": 0.5}, val={"val_f1_macro": 0.9}, server_val={"val_f1_macro": 0.3})
+    recorder.record_round(2, {"f1_macro": 0.6}, val={"val_f1_macro": 0.2}, server_val={"val_f1_macro": 0.4})
+    best, selected_by = recorder.best_round()
+    assert best["round"] == 2 and selected_by == "val_f1_macro: the server's validation split (val-data)"
+    assert json.loads((recorder.path / "metrics.jsonl").read_text().splitlines()[0])["server_val"] == {"val_f1_macro": 0.3}
+
+
 def test_without_validation_metrics_the_final_round_is_reported_and_says_so(tmp_path):
     recorder = _recorder(tmp_path, multilabel=False)
     recorder.record_round(1, {"accuracy": 0.9})

@@ -3,12 +3,14 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.results import RunRecorder
-from fedskew.server_tasks import train_centralized
+from fedskew.data.site_folder import write_labelled_folder
+from fedskew.server_tasks import load_server_validation_set, train_centralized
 
 
 
@@ -30,3 +32,24 @@ def test_centralized_trains_on_exactly_the_pooled_site_data_and_learns(tmp_path)
     # the round is selected on the pooled site validation splits, like the federated methods' rounds
     assert all("val_accuracy" in r["val"] for r in rounds[1:])
     assert recorder.best_round()[1].startswith("val_accuracy")
+
+
+def test_a_server_validation_set_must_hold_the_task_and_chooses_the_centralised_round(tmp_path):
+    cfg = RunConfig.from_run_config({"method": "centralized", "mosaic-grid": 0, "partition": "iid", "model": "small-cnn",
+                                     "num-server-rounds": 2, "local-epochs": 1, "batch-size": 64})  # fmt: skip
+    task = load_task_dataset(cfg)
+    held_out = write_labelled_folder(tmp_path / "val", task.test_images[:60], task.test_labels[:60], task.class_names)
+    validation = load_server_validation_set(cfg.model_copy(update={"val_data": str(held_out)}), task)
+    assert len(validation.test_labels) == 60 and validation.num_classes == task.num_classes
+    recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path)
+    train_centralized(cfg, task, 3, torch.device("cpu"), recorder, validation)
+    rounds = [json.loads(line) for line in (recorder.path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["server_val"]["val_accuracy"] <= 1 for r in rounds[1:])
+    best, selected_by = recorder.best_round()
+    assert selected_by.endswith("the server's validation split (val-data)")
+    assert best["server_val"]["val_accuracy"] == max(r["server_val"]["val_accuracy"] for r in rounds[1:])
+    # Validation data of another task (5 of 10 classes named, 8 px instead of the task's shape) is refused.
+    other = write_labelled_folder(tmp_path / "other", np.zeros((4, 1, 8, 8), np.float32), np.arange(4) % 5,
+                                  tuple(str(k) for k in range(5)))  # fmt: skip
+    with pytest.raises(ValueError, match="val-data = .* holds single-label data with 5 classes"):
+        load_server_validation_set(cfg.model_copy(update={"val_data": str(other)}), task)
