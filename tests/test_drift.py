@@ -1,15 +1,20 @@
 """SCAFFOLD and FedDyn: the site and server updates on hand-worked numbers, and the site state
 that carries them between rounds."""
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from test_privacy import SitesOnline
 from torch import nn
 
 from fedskew.client_tasks import drift_correction
 from fedskew.config import RunConfig
 from fedskew.drift import feddyn_server_update, scaffold_server_update, scaffold_site_update
+from fedskew.results import RunRecorder
 from fedskew.site_state import SiteState, SiteStateError
+from fedskew.strategies.drift import FedDyn
 
 
 class OneWeight(nn.Module):
@@ -115,3 +120,25 @@ def test_site_state_lives_in_context_state_and_on_disk_with_state_dir(tmp_path):
     (tmp_path / "run-7" / "x.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(SiteStateError, match=r"run-7/x.safetensors is unreadable.*delete it"):
         SiteState(site_context({"state-dir": str(tmp_path)})).get("x")
+
+
+def test_feddyn_strategy_corrects_the_average_with_the_share_of_sites_that_answered(tmp_path, monkeypatch):
+    # Two of four sites answer, one fails: the server update sees participation 2/4, worked out by hand.
+    # alpha 0.5, h = 0, sent x = 1, mean y = (2 + 4) / 2 = 3: h+ = -0.5 * 0.5 * (3 - 1) = -0.5;
+    # theta = 3 - h+ / alpha = 4. Keys outside the server state (a BN counter) stay the plain average.
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):  # messages outside a Flower runtime
+        monkeypatch.setattr(TaskIdentity, name, value)
+    strategy = FedDyn({"w": torch.Size([1])}, num_sites=4, alpha=0.5, fraction_train=1.0, fraction_evaluate=0.0)
+    strategy.attach(RunRecorder.create(RunConfig(), multilabel=True, base=tmp_path))
+    sent = ArrayRecord({"w": Array(np.ones(1, np.float32)), "n": Array(np.zeros(1, np.float32))})
+    (outgoing, *_) = strategy.configure_train(1, sent, ConfigRecord(), SitesOnline(4))
+
+    def reply(w: float) -> Message:
+        arrays = ArrayRecord({"w": Array(np.full(1, w, np.float32)), "n": Array(np.full(1, w, np.float32))})
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10})}), reply_to=outgoing)
+
+    failed = Message(Error(code=0, reason="site went offline"), reply_to=outgoing)
+    arrays, _ = strategy.aggregate_train(1, [reply(2.0), reply(4.0), failed])
+    new = arrays.to_torch_state_dict()
+    assert new["w"].item() == pytest.approx(4.0) and new["n"].item() == pytest.approx(3.0)
+    assert strategy.h["w"].item() == pytest.approx(-0.5)

@@ -17,11 +17,25 @@ from fedskew.strategies.recording import RecordingMixin
 SCAFFOLD_CONTROL_KEY = "scaffold-control"
 
 
-def _answered(replies: list[Message]) -> int:
-    return sum(not msg.has_error() for msg in replies)
+class ServerCorrection(RecordingMixin, FedAvg):
+    """FedAvg's aggregation followed by a method's server-side correction of the averaged arrays."""
+
+    num_sites: int
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        if arrays is None:
+            return arrays, metrics
+        participation = sum(not msg.has_error() for msg in replies) / self.num_sites
+        return ArrayRecord(self.corrected(arrays.to_torch_state_dict(), participation)), metrics
+
+    def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:
+        """The next global model from the sites' weighted average; `participation`: share of sites that answered."""
+        raise NotImplementedError
 
 
-class Scaffold(RecordingMixin, FedAvg):
+class Scaffold(ServerCorrection):
     """Sends the server control variate c with every training instruction (its own ArrayRecord);
     sites answer with their new model and delta_c in one ArrayRecord (delta keys prefixed)."""
 
@@ -43,19 +57,13 @@ class Scaffold(RecordingMixin, FedAvg):
             for msg in messages
         ]
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        replies = list(replies)
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        if arrays is None:
-            return arrays, metrics
-        averaged = arrays.to_torch_state_dict()
+    def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:
         mean_delta = {k.removeprefix(SCAFFOLD_DELTA_PREFIX): v for k, v in averaged.items() if k.startswith(SCAFFOLD_DELTA_PREFIX)}
-        self.control = scaffold_server_update(self.control, mean_delta, _answered(replies) / self.num_sites)
-        model = {k: v for k, v in averaged.items() if not k.startswith(SCAFFOLD_DELTA_PREFIX)}
-        return ArrayRecord(model), metrics
+        self.control = scaffold_server_update(self.control, mean_delta, participation)
+        return {k: v for k, v in averaged.items() if not k.startswith(SCAFFOLD_DELTA_PREFIX)}
 
 
-class FedDyn(RecordingMixin, FedAvg):
+class FedDyn(ServerCorrection):
     """Keeps the server state h; the new global model is the sites' average corrected by -h / alpha."""
 
     def __init__(self, parameter_shapes: dict[str, torch.Size], num_sites: int, alpha: float, **fedavg_kwargs):
@@ -70,13 +78,8 @@ class FedDyn(RecordingMixin, FedAvg):
         self.sent = {name: state[name] for name in self.h}
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        replies = list(replies)
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        if arrays is None:
-            return arrays, metrics
-        averaged = arrays.to_torch_state_dict()
+    def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:
         self.h, corrected = feddyn_server_update(
-            self.h, self.sent, {name: averaged[name] for name in self.h}, self.alpha, _answered(replies) / self.num_sites
+            self.h, self.sent, {name: averaged[name] for name in self.h}, self.alpha, participation
         )
-        return ArrayRecord({**averaged, **corrected}), metrics
+        return {**averaged, **corrected}
