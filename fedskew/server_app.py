@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedskew.analysis import write_fednca_analysis
 from fedskew.config import RunConfig
-from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
 from fedskew.models.model_file import run_model_card
-from fedskew.privacy import private_strategy
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
@@ -19,13 +16,12 @@ from fedskew.server_tasks import (
     load_server_validation_set,
     make_evaluate_fn,
     refuse_sites,
-    resume_point,
+    run_rounds,
     survey_sites,
     train_centralized,
     wait_for_sites,
     write_partition,
 )
-from fedskew.strategies import build_strategy
 from fedskew.strategies.factory import run_factory
 from fedskew.training import pick_device
 
@@ -58,34 +54,8 @@ def main(grid: Grid, context: Context) -> None:
         elif cfg.method == "centralized":
             train_centralized(cfg, task, num_sites, device, recorder, validation)
         else:
-            etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
-            recorder.etf = etf  # stored in the model files: the model is unusable without it
-            model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
-            done, resumed_state = resume_point(cfg, recorder, model.state_dict())
-            if resumed_state is not None:
-                model.load_state_dict(resumed_state)
-            strategy = build_strategy(cfg, len(survey), model, etf=etf)
-            strategy.attach(recorder, round_offset=done, refused=set(refused))
-            num_examples = sum(int(s["train-size"]) for s in survey.values())
-            private_strategy(cfg, strategy, len(survey), num_examples, recorder).start(
-                grid=grid,
-                initial_arrays=ArrayRecord(model.state_dict()),
-                num_rounds=cfg.num_server_rounds - done,
-                timeout=cfg.round_timeout,
-                train_config=ConfigRecord({"local-epochs": cfg.local_epochs}),
-                evaluate_fn=make_evaluate_fn(
-                    model,
-                    test,
-                    device,
-                    recorder,
-                    lambda: (strategy.last_train_metrics, strategy.last_val_metrics),
-                    round_offset=done,
-                    validation=validation,
-                ),
-            )
-            if cfg.method == "fednca" and test is not None and model.use_ladm:
-                # The final global model is in `model`: evaluate_fn loaded every round's weights into it.
-                recorder.extra["neural_collapse"] = write_fednca_analysis(model, test, recorder.path, device, cfg.seed)
+            run_rounds(grid, cfg, len(survey), sum(int(s["train-size"]) for s in survey.values()), refused, task, test,
+                       validation, recorder, device)  # fmt: skip
     except BaseException as exc:
         recorder.write_summary("failed", reason=f"{type(exc).__name__}: {exc}")
         try_write_report(recorder.path)

@@ -1,6 +1,6 @@
 """Server-side work of a run, kept out of server_app.py so it reads as build-and-start:
-waiting for sites, the site survey that records the partition, server-side evaluation,
-and the centralised (pooled-data) upper bound."""
+waiting for sites, the site survey that records the partition, the rounds of the weight-averaging
+methods, server-side evaluation, and the centralised (pooled-data) upper bound."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
+from fedskew.analysis import write_fednca_analysis
 from fedskew.client_tasks import VAL_METRICS, local_optimisation
 from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
@@ -22,7 +23,9 @@ from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
+from fedskew.privacy import private_strategy
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
+from fedskew.strategies import build_strategy
 from fedskew.training import evaluate, make_loader, train_local
 
 SURVEY = "query.site_survey"
@@ -156,6 +159,44 @@ def make_evaluate_fn(
         return scalar_metrics(metrics)
 
     return evaluate_fn
+
+
+def run_rounds(
+    grid: Grid,
+    cfg: RunConfig,
+    num_sites: int,
+    num_examples: int,
+    refused: dict,
+    task: TaskShape | ImageDataset,
+    test: ImageDataset | None,
+    validation: ImageDataset | None,
+    recorder: RunRecorder,
+    device: torch.device,
+) -> None:
+    """The weight-averaging methods (FedNCA-ML and the baselines): the model (resumed when the run is),
+    the method's strategy wrapped for differential privacy when configured, and its rounds."""
+    etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
+    recorder.etf = etf  # stored in the model files: the model is unusable without it
+    model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
+    done, resumed_state = resume_point(cfg, recorder, model.state_dict())
+    if resumed_state is not None:
+        model.load_state_dict(resumed_state)
+    strategy = build_strategy(cfg, num_sites, model, etf=etf)
+    strategy.attach(recorder, round_offset=done, refused=set(refused))
+    private_strategy(cfg, strategy, num_sites, num_examples, recorder).start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=cfg.num_server_rounds - done,
+        timeout=cfg.round_timeout,
+        train_config=ConfigRecord({"local-epochs": cfg.local_epochs}),
+        evaluate_fn=make_evaluate_fn(
+            model, test, device, recorder, lambda: (strategy.last_train_metrics, strategy.last_val_metrics),
+            round_offset=done, validation=validation,
+        ),  # fmt: skip
+    )
+    if cfg.method == "fednca" and test is not None and model.use_ladm:
+        # The final global model is in `model`: evaluate_fn loaded every round's weights into it.
+        recorder.extra["neural_collapse"] = write_fednca_analysis(model, test, recorder.path, device, cfg.seed)
 
 
 def train_centralized(
