@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,12 +63,16 @@ class RunOutcome:
 
 
 class SimulationSuperLink:
-    """A `flower-superlink --simulation` on free loopback ports with its own FLWR_HOME."""
+    """A `flower-superlink --simulation` on free loopback ports with its own FLWR_HOME. With `ray_address`
+    its simulations run on that running Ray cluster (Ray reads RAY_ADDRESS when Flower's simulation engine
+    calls `ray.init()`) instead of starting a Ray instance of their own."""
 
-    def __init__(self, home: Path | None = None):
+    def __init__(self, home: Path | None = None, ray_address: str | None = None):
         self.home = Path(home or tempfile.mkdtemp(prefix="fedskew-flwr-"))
         self.port, self.control_port = free_port(), free_port()
         self.env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home)}
+        if ray_address:
+            self.env["RAY_ADDRESS"] = ray_address
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> SimulationSuperLink:
@@ -169,3 +175,87 @@ class SimulationSuperLink:
         if not new:
             return RunOutcome(None, "not-started", output)
         return RunOutcome(new[0]["run-id"], new[0]["status"], output, new[0])
+
+
+class RayCluster:
+    """A Ray cluster of separate processes, as on several machines: a head node (`ray start --head`) and
+    `worker_nodes` more nodes joined to it (`ray start --address`), each in its own process group and temp
+    dir, so that leaving the context stops this cluster's processes and no other Ray instance on the machine
+    (`ray stop` would stop them all). Worker node k listens on loopback address 127.0.0.(k+1): Ray prefixes a
+    line printed on a node other than the driver's with that node's address (`(ClientAppActor pid=...,
+    ip=127.0.0.2)`), as it does on real machines. A `ray.init()` elsewhere on the machine looks for a cluster
+    in the default temp dir and never joins this one.
+    """
+
+    def __init__(self, worker_nodes: int = 1, cpus_per_node: int = 1):
+        self.worker_nodes, self.cpus_per_node = worker_nodes, cpus_per_node
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="fsray-", dir="/tmp"))
+        self.gcs_port = free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.processes: list[subprocess.Popen] = []
+        self.logs: list = []
+
+    def _start_node(self, index: int) -> None:
+        head = ["--head", "--port", str(self.gcs_port), "--ray-client-server-port", str(free_port()),
+                "--include-dashboard", "false"]
+        worker = ["--address", self.address, "--node-ip-address", f"127.0.0.{index + 1}"]
+        temp_dir = self.temp_dir / f"n{index}"  # short: Ray's socket paths under it must fit in 107 characters
+        ports = [f"--{name}={free_port()}" for name in (
+            "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")]
+        log = open(self.temp_dir / f"node{index}.log", "w")  # noqa: SIM115 - closed in __exit__
+        self.logs.append(log)
+        self.processes.append(subprocess.Popen(
+            ["ray", "start", "--block", *(worker if index else head), "--num-cpus", str(self.cpus_per_node),
+             "--num-gpus", "0", "--object-store-memory", str(100 * 2**20), "--temp-dir", str(temp_dir),
+             "--disable-usage-stats", *ports],
+            env={**os.environ, **OFFLINE_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+
+    def __enter__(self) -> RayCluster:
+        try:
+            self._start_node(0)
+            self._wait_for_nodes(1, timeout=120)
+            for index in range(1, self.worker_nodes + 1):
+                self._start_node(index)
+            self._wait_for_nodes(1 + self.worker_nodes, timeout=120)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def alive_nodes(self) -> list[str]:
+        """The ids of the nodes the head's GCS reports alive (`ray list nodes` needs the dashboard; the GCS
+        itself answers `ray status`)."""
+        status = subprocess.run(["ray", "status", "--address", self.address, "-v"], env={**os.environ, **OFFLINE_ENV},
+                                capture_output=True, text=True, timeout=60)
+        if status.returncode != 0:
+            return []
+        active = status.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+        return re.findall(r"node_\w+", active)
+
+    def _wait_for_nodes(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for index, process in enumerate(self.processes):
+                if process.poll() is not None:
+                    raise RuntimeError(f"ray node {index} exited ({process.returncode}); see {self.temp_dir}/node{index}.log")
+            if len(self.alive_nodes()) >= count:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"Ray cluster: {count} node(s) not up after {timeout} s; see {self.temp_dir}/node*.log")
+
+    def __exit__(self, *exc) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(self.processes):
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for log in self.logs:
+            log.close()
+        if not exc or exc[0] is None:  # after a failure the node logs say why; keep them
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
