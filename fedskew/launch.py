@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,9 +122,13 @@ class SimulationSuperLink:
             ["flwr", *args], env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
 
-    def stream_flwr(self, *args: str, timeout: float, cwd: Path | None = None, echo: bool = False) -> str:
+    def stream_flwr(
+        self, *args: str, timeout: float, cwd: Path | None = None, echo: bool = False,
+        on_line: Callable[[str], None] | None = None,
+    ) -> str:
         """`flwr ARGS` with stdout and stderr merged, returned whole; echoed as it arrives when asked, so a
-        long run shows its progress; killed after `timeout` seconds like subprocess.run would."""
+        long run shows its progress, and each line handed to `on_line` as it arrives; killed after `timeout`
+        seconds like subprocess.run would."""
         process = subprocess.Popen(
             ["flwr", *args], env=self.env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -133,6 +138,8 @@ class SimulationSuperLink:
         try:
             for line in process.stdout:
                 lines.append(line)
+                if on_line:
+                    on_line(line)
                 if echo:
                     print(line, end="", flush=True)
             process.wait()
@@ -153,18 +160,23 @@ class SimulationSuperLink:
         app_dir: Path = APP_DIR,
         timeout: float = 900,
         cpus_per_client: int = 1,
+        ray_cpus: int | None = None,
         echo: bool = False,
+        on_line: Callable[[str], None] | None = None,
     ) -> RunOutcome:
         """`flwr run` the app with these run-config overrides; wait for it and report its status.
-        echo=True also prints the run's log (the sites' progress included) line by line as it arrives."""
+        echo=True also prints the run's log (the sites' progress included) line by line as it arrives;
+        `on_line` gets each line as it arrives. ray_cpus: the CPUs the simulation's own Ray instance may use
+        (init-args-num-cpus; default all), so ray_cpus / cpus_per_client ClientApps run at a time."""
         config_file = self.home / f"run-config-{time.monotonic_ns()}.toml"
         config_file.write_text(run_config_toml(run_config))
         known = {r["run-id"] for r in self.runs()}
         output = self.stream_flwr(
             "run", str(app_dir), "sim", "--run-config", str(config_file), "--stream",
             "--federation-config",
-            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} client-resources-num-gpus=0.0",
-            timeout=timeout, cwd=app_dir, echo=echo,
+            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client} client-resources-num-gpus=0.0"
+            + (f" init-args-num-cpus={ray_cpus}" if ray_cpus else ""),
+            timeout=timeout, cwd=app_dir, echo=echo, on_line=on_line,
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while True:
@@ -259,3 +271,57 @@ class RayCluster:
             log.close()
         if not exc or exc[0] is None:  # after a failure the node logs say why; keep them
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class ProcessTreeCPU:
+    """CPU seconds (user + system) of a process and every process under it, sampled from /proc every
+    `interval` seconds in a background thread: each process counts with the last figure seen, so one that
+    has exited still counts (up to one interval of its end). Linux only."""
+
+    def __init__(self, root_pid: int, interval: float = 0.2):
+        self.root_pid, self.interval = root_pid, interval
+        self.seen: dict[int, float] = {}
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        self._lock = threading.Lock()  # the sampling thread and a caller's sample() both update `seen`
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _stats(self) -> dict[int, tuple[int, float]]:
+        """pid -> (parent pid, CPU seconds) of every process on the machine."""
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self._ticks)
+        return stats
+
+    def sample(self) -> float:
+        stats = self._stats()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in stats.items():
+            children.setdefault(parent, []).append(pid)
+        stack = [self.root_pid]
+        with self._lock:
+            while stack:
+                pid = stack.pop()
+                if pid in stats:
+                    self.seen[pid] = max(self.seen.get(pid, 0.0), stats[pid][1])
+                stack.extend(children.get(pid, []))
+            return sum(self.seen.values())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> ProcessTreeCPU:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
