@@ -68,12 +68,13 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def plain_pytorch_round(cfg: RunConfig, num_sites: int, workers: int) -> dict[str, float]:
-    """One FedAvg round's work without Flower, at the parallelism the Flower run had: the sites train and
+def plain_pytorch_round(cfg: RunConfig, num_sites: int, workers: int, rounds: int) -> dict[str, float]:
+    """FedAvg rounds' work without Flower, at the parallelism the Flower run had: the sites train and
     validate in `workers` processes of one torch thread each (as Ray runs `workers` ClientApps with
     client-resources-num-cpus=1), the weights are averaged and the global model is evaluated on the test
     split here. The worker processes are started and warm before the clock starts, as Ray's ClientApp
-    actors are after the first round. Returns wall and CPU seconds (this process and the workers)."""
+    actors are after the first round. Returns the mean over `rounds` rounds of wall and CPU seconds (this
+    process and the workers)."""
     _one_thread()
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
@@ -84,22 +85,26 @@ def plain_pytorch_round(cfg: RunConfig, num_sites: int, workers: int) -> dict[st
     context.set_forkserver_preload([__name__, "fedskew.client_tasks"])
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
         list(pool.map(time.sleep, [0.5] * workers))  # every worker started (each sleeps long enough to take one)
-        wall, cpu = time.perf_counter(), time.process_time()
-        trained = [f.result() for f in [pool.submit(_cpu_timed, _train_site_round_one, cfg, site, state) for site in sites]]
-        updates = [result for result, _ in trained]
-        weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
-        averaged = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
-                    for k in state}
-        evaluated = [f.result() for f in [pool.submit(_cpu_timed, evaluate_site, cfg, site, averaged) for site in sites]]
-        model.load_state_dict(averaged)
-        evaluate(model, test.test_images, test.test_labels, device=pick_device(cfg.device))
+        wall, cpu, worker_cpu = time.perf_counter(), time.process_time(), 0.0
+        for server_round in range(1, rounds + 1):
+            trained = [f.result() for f in [pool.submit(_cpu_timed, _train_site, cfg, site, state, server_round)
+                                            for site in sites]]
+            updates = [result for result, _ in trained]
+            weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
+            state = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
+                     for k in state}
+            evaluated = [f.result() for f in [pool.submit(_cpu_timed, evaluate_site, cfg, site, state) for site in sites]]
+            model.load_state_dict(state)
+            evaluate(model, test.test_images, test.test_labels, device=pick_device(cfg.device))
+            worker_cpu += sum(seconds for _, seconds in trained + evaluated)
         wall = time.perf_counter() - wall
-        cpu = time.process_time() - cpu + sum(seconds for _, seconds in trained + evaluated)
-    return {"wall_seconds": wall, "cpu_seconds": cpu, "workers": workers}
+        server_cpu = time.process_time() - cpu
+    return {"wall_seconds": wall / rounds, "cpu_seconds": (server_cpu + worker_cpu) / rounds, "workers": workers,
+            "rounds": rounds, "cpu_seconds_server": server_cpu / rounds, "cpu_seconds_sites": worker_cpu / rounds}
 
 
-def _train_site_round_one(cfg: RunConfig, site, state: dict) -> tuple[dict, dict]:
-    return train_site(cfg, site, state, server_round=1, proximal_mu=0.0)
+def _train_site(cfg: RunConfig, site, state: dict, server_round: int) -> tuple[dict, dict]:
+    return train_site(cfg, site, state, server_round=server_round, proximal_mu=0.0)
 
 
 ROUND_LINE = re.compile(r"^\[\w[\w-]*\] round\s+(\d+) \|")
@@ -116,14 +121,17 @@ class RoundClock:
     def __call__(self, line: str) -> None:
         match = ROUND_LINE.match(line)
         if match:
-            self.marks[int(match.group(1))] = (time.perf_counter(), self.cpu.sample())
+            self.marks[int(match.group(1))] = (time.perf_counter(), self.cpu.sample(), self.cpu.by_process())
 
     def steady_round(self) -> dict[str, float]:
-        last = max(self.marks)
+        last = max(self.marks, default=0)
         if 1 not in self.marks or last < 2:
             raise SystemExit("the overhead figure needs a fedavg run of at least 2 rounds (num-server-rounds >= 2)")
-        (wall1, cpu1), (wall, cpu) = self.marks[1], self.marks[last]
-        return {"wall_seconds": (wall - wall1) / (last - 1), "cpu_seconds": (cpu - cpu1) / (last - 1)}
+        (wall1, cpu1, by_process1), (wall, cpu, by_process) = self.marks[1], self.marks[last]
+        rounds = last - 1
+        shares = {name: (seconds - by_process1.get(name, 0.0)) / rounds for name, seconds in by_process.items()}
+        return {"wall_seconds": (wall - wall1) / rounds, "cpu_seconds": (cpu - cpu1) / rounds, "rounds": rounds,
+                "cpu_seconds_by_process": dict(sorted(shares.items(), key=lambda item: -item[1]))}
 
 
 # How a column is shown: (header, scale, decimals); metrics keep 4 decimals.
@@ -229,10 +237,12 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
     if overhead:
         flower, plain = overhead["flower"], overhead["plain_pytorch"]
         lines += ["", f"Framework overhead at equal parallelism ({plain['workers']} sites at a time, one torch thread "
-                      f"each): a steady-state FedAvg round took {flower['wall_seconds']:.2f} s wall and "
+                      f"each): a steady-state FedAvg round (mean of rounds 2-{flower['rounds'] + 1}) took "
+                      f"{flower['wall_seconds']:.2f} s wall and "
                       f"{flower['cpu_seconds']:.2f} CPU s (every process of the run) in Flower vs "
                       f"{plain['wall_seconds']:.2f} s wall and {plain['cpu_seconds']:.2f} CPU s for the same work "
-                      "(every site trains and validates, weights averaged, test evaluation) in a plain PyTorch loop "
+                      f"(every site trains and validates, weights averaged, test evaluation; mean of {plain['rounds']} rounds) in a "
+                      "plain PyTorch loop "
                       f"with {plain['workers']} worker processes: ratio {overhead['wall_ratio']:.2f}x wall, "
                       f"{overhead['cpu_ratio']:.2f}x CPU."]
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -256,7 +266,7 @@ def measure_overhead(args, run_config: dict) -> dict:
             raise SystemExit(f"overhead run ended {outcome.status}:\n{outcome.output[-3000:]}")
     flower = clock.steady_round()
     print(f"== overhead: the same round in a plain PyTorch loop, {args.workers} worker processes", flush=True)
-    plain = plain_pytorch_round(cfg, args.num_sites, min(args.workers, args.num_sites))
+    plain = plain_pytorch_round(cfg, args.num_sites, min(args.workers, args.num_sites), flower["rounds"])
     return {"flower": flower, "plain_pytorch": plain, "wall_ratio": flower["wall_seconds"] / plain["wall_seconds"],
             "cpu_ratio": flower["cpu_seconds"] / plain["cpu_seconds"]}
 

@@ -3,12 +3,13 @@
     python -m bench.parallel_generators --classes 4,10 --steps 40 --audit-samples 64 --threads 2 --repeats 2
 
 A site holding the first K digit classes (8 px, the CPU preset, `--steps` steps per generator) trains its K
-generators with `train_site_generators` (training and memorisation audit), once with
-factory.parallel-generators = 1 on `--threads` torch threads and once with `--threads` workers of one thread
-each; the two alternate (`--repeats` times) so machine load hits them alike. Reports per side the median wall
-seconds and the CPU seconds of the generators' own work (summed over the generators, worker processes
-included; process start-up is in the wall time only), and the speed-up, and checks that both sides trained
-the same generators.
+generators with `train_site_generators` (training and memorisation audit) three ways: one after another on
+one torch thread (a site given one core), one after another on `--threads` threads (factory.parallel-generators
+= 1 on a site given `--threads` cores), and in `--threads` worker processes of one thread each; the three
+alternate (`--repeats` times) so machine load hits them alike. Reports per side the median wall seconds, the
+CPU seconds of the generators' own work (summed over the generators, worker processes included; process
+start-up is in the wall time only) and the speed-up over the `--threads`-thread sequential side, and checks
+that the workers trained the same generators as the one-thread sequential side (same threads per generator).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    sides = {"one after another": (1, args.threads), f"{args.threads} workers": (args.threads, 1)}
+    baseline = f"one after another, {args.threads} threads"
+    sides = {"one after another, 1 thread": (1, 1), baseline: (1, args.threads), f"{args.threads} workers, 1 thread each": (args.threads, 1)}
     for classes in (int(k) for k in args.classes.split(",")):
         site = site_with_classes(classes, args.seed)
         walls: dict[str, list[float]] = {side: [] for side in sides}
@@ -63,13 +65,13 @@ def main(argv: list[str] | None = None) -> None:
                 walls[side].append(wall)
                 cpus[side].append(cpu)
                 print(f"{classes} classes, repeat {repeat + 1}: {side}: {wall:.1f} s wall, {cpu:.1f} CPU s", flush=True)
-        same = len(set(map(tuple, checksums.values()))) == 1
-        base = statistics.median(walls["one after another"])
+        same = checksums["one after another, 1 thread"] == checksums[f"{args.threads} workers, 1 thread each"]
+        base = statistics.median(walls[baseline])
         print(f"\n{classes} classes, {args.steps} steps per generator, {args.threads} threads, median of {args.repeats}:")
         for side in sides:
             wall = statistics.median(walls[side])
             print(f"  {side}: {wall:.1f} s wall, {statistics.median(cpus[side]):.1f} CPU s, speed-up {base / wall:.2f}x")
-        print(f"  same generators on both sides: {same}\n", flush=True)
+        print(f"  workers trained the same generators as one thread one after another: {same}\n", flush=True)
 
 
 if __name__ == "__main__":

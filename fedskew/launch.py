@@ -281,6 +281,7 @@ class ProcessTreeCPU:
     def __init__(self, root_pid: int, interval: float = 0.2):
         self.root_pid, self.interval = root_pid, interval
         self.seen: dict[int, float] = {}
+        self.labels: dict[int, str] = {}
         self._ticks = os.sysconf("SC_CLK_TCK")
         self._lock = threading.Lock()  # the sampling thread and a caller's sample() both update `seen`
         self._stop = threading.Event()
@@ -310,8 +311,18 @@ class ProcessTreeCPU:
                 pid = stack.pop()
                 if pid in stats:
                     self.seen[pid] = max(self.seen.get(pid, 0.0), stats[pid][1])
+                    if pid not in self.labels:
+                        self.labels[pid] = process_label(pid)
                 stack.extend(children.get(pid, []))
             return sum(self.seen.values())
+
+    def by_process(self) -> dict[str, float]:
+        """CPU seconds so far per kind of process (its program, see process_label)."""
+        totals: dict[str, float] = {}
+        with self._lock:
+            for pid, seconds in self.seen.items():
+                totals[self.labels[pid]] = totals.get(self.labels[pid], 0.0) + seconds
+        return totals
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -325,3 +336,25 @@ class ProcessTreeCPU:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def process_label(pid: int) -> str:
+    """What a process is, from its command line: the script a Python interpreter runs (flower-superlink,
+    flwr-simulation, ...; Ray's workers, which host the ClientApp actors, as one kind) or the program (raylet,
+    gcs_server)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [Path(a.decode(errors="replace")).name for a in argv if a]
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):  # Ray retitles its workers after their task (ray::IDLE, ray::ClientAppActor...)
+        return "Ray worker (ClientApp actor)"
+    if words[0].startswith("python") and len(words) > 1:
+        if words[1] in ("-c", "-m"):
+            return f"python {words[1]} {words[2] if words[1] == '-m' and len(words) > 2 else '...'}"
+        if "default_worker.py" in words:  # Ray's worker entry point (started through setup_worker.py)
+            return "Ray worker (ClientApp actor)"
+        return next((w for w in words[1:] if not w.startswith("-")), words[1])
+    return words[0]
