@@ -231,8 +231,8 @@ class RayCluster:
             for index in range(1, self.worker_nodes + 1):
                 self._start_node(index)
             self._wait_for_nodes(1 + self.worker_nodes, timeout=120)
-        except BaseException:
-            self.__exit__()
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)  # keeps the node logs the error points at
             raise
         return self
 
