@@ -6,19 +6,24 @@
 
 Writes NAME/results.json ({method: {metric: [one value per seed]}}), NAME/results.md (mean ±
 sd per metric), NAME/per_class.png, NAME/overhead.json, and every run's own results under
-NAME/runs/. Also times
-one federated round against the same local training in a plain PyTorch loop (the framework's
-overhead), measured in the same process and machine, back to back.
+NAME/runs/. With fedavg among the methods it also measures the framework's overhead: one more FedAvg
+run in Flower with --workers ClientApps at a time, its steady-state round clocked in wall and CPU
+seconds (every process of the run), then the same round's work in a plain PyTorch loop with --workers
+worker processes, back to back on the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import re
+import shutil
 import statistics
 import time
 import tomllib
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import matplotlib
@@ -31,7 +36,7 @@ import torch  # noqa: E402
 from fedskew.config import RunConfig  # noqa: E402
 from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
-from fedskew.launch import SimulationSuperLink  # noqa: E402
+from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
 from fedskew.models.build import build_model  # noqa: E402
 from fedskew.report import write_report as write_html_report  # noqa: E402
 from fedskew.training import evaluate, pick_device  # noqa: E402
@@ -52,26 +57,81 @@ def parse_run_config(text: str) -> dict:
     return {key: tomllib.loads(f"v = {value}")["v"] for key, value in pairs}
 
 
-def plain_pytorch_round_seconds(cfg: RunConfig, num_sites: int) -> float:
-    """One FedAvg round's work without Flower: every site trains and validates in turn, the
-    weights are averaged, and the global model is evaluated on the test split. One torch
-    thread, as each Ray worker gets (client-resources-num-cpus=1)."""
+def _cpu_timed(function, *args):
+    """function(*args) and the CPU seconds this process spent in it (a worker's share of a round)."""
+    start = time.process_time()
+    result = function(*args)
+    return result, time.process_time() - start
+
+
+def _one_thread() -> None:
     torch.set_num_threads(1)
+
+
+def plain_pytorch_round(cfg: RunConfig, num_sites: int, workers: int, rounds: int) -> dict[str, float]:
+    """FedAvg rounds' work without Flower, at the parallelism the Flower run had: the sites train and
+    validate in `workers` processes of one torch thread each (as Ray runs `workers` ClientApps with
+    client-resources-num-cpus=1), the weights are averaged and the global model is evaluated on the test
+    split here. The worker processes are started and warm before the clock starts, as Ray's ClientApp
+    actors are after the first round. Returns the mean over `rounds` rounds of wall and CPU seconds (this
+    process and the workers)."""
+    _one_thread()
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, sites[0].num_classes, sites[0].train_images.shape[1:])
     state = model.state_dict()
-    start = time.perf_counter()
-    updates = [train_site(cfg, site, state, server_round=1, proximal_mu=0.0) for site in sites]
-    weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
-    averaged = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
-                for k in state}
-    for site in sites:
-        evaluate_site(cfg, site, averaged)
-    model.load_state_dict(averaged)
-    evaluate(model, test.test_images, test.test_labels, device=pick_device(cfg.device))
-    return time.perf_counter() - start
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, "fedskew.client_tasks"])
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
+        list(pool.map(time.sleep, [0.5] * workers))  # every worker started (each sleeps long enough to take one)
+        wall, cpu, worker_cpu = time.perf_counter(), time.process_time(), 0.0
+        for server_round in range(1, rounds + 1):
+            trained = [f.result() for f in [pool.submit(_cpu_timed, _train_site, cfg, site, state, server_round)
+                                            for site in sites]]
+            updates = [result for result, _ in trained]
+            weights = np.array([m["num-examples"] for _, m in updates], dtype=np.float64)
+            state = {k: sum(w * u[k].double() for w, (u, _) in zip(weights / weights.sum(), updates)).to(state[k].dtype)
+                     for k in state}
+            evaluated = [f.result() for f in [pool.submit(_cpu_timed, evaluate_site, cfg, site, state) for site in sites]]
+            model.load_state_dict(state)
+            evaluate(model, test.test_images, test.test_labels, device=pick_device(cfg.device))
+            worker_cpu += sum(seconds for _, seconds in trained + evaluated)
+        wall = time.perf_counter() - wall
+        server_cpu = time.process_time() - cpu
+    return {"wall_seconds": wall / rounds, "cpu_seconds": (server_cpu + worker_cpu) / rounds, "workers": workers,
+            "rounds": rounds, "cpu_seconds_server": server_cpu / rounds, "cpu_seconds_sites": worker_cpu / rounds}
+
+
+def _train_site(cfg: RunConfig, site, state: dict, server_round: int) -> tuple[dict, dict]:
+    return train_site(cfg, site, state, server_round=server_round, proximal_mu=0.0)
+
+
+ROUND_LINE = re.compile(r"^\[\w[\w-]*\] round\s+(\d+) \|")
+
+
+class RoundClock:
+    """Wall and CPU time (every process of the Flower run) at each `[method] round k |` line of the run's
+    stream; the steady-state round is the mean from round 1's line to the last round's, so the ClientApps'
+    start-up (in round 1) is left out, as on the plain side."""
+
+    def __init__(self, cpu: ProcessTreeCPU):
+        self.cpu, self.marks = cpu, {}
+
+    def __call__(self, line: str) -> None:
+        match = ROUND_LINE.match(line)
+        if match:
+            self.marks[int(match.group(1))] = (time.perf_counter(), self.cpu.sample(), self.cpu.by_process())
+
+    def steady_round(self) -> dict[str, float]:
+        last = max(self.marks, default=0)
+        if 1 not in self.marks or last < 2:
+            raise SystemExit("the overhead figure needs a fedavg run of at least 2 rounds (num-server-rounds >= 2)")
+        (wall1, cpu1, by_process1), (wall, cpu, by_process) = self.marks[1], self.marks[last]
+        rounds = last - 1
+        shares = {name: (seconds - by_process1.get(name, 0.0)) / rounds for name, seconds in by_process.items()}
+        return {"wall_seconds": (wall - wall1) / rounds, "cpu_seconds": (cpu - cpu1) / rounds, "rounds": rounds,
+                "cpu_seconds_by_process": dict(sorted(shares.items(), key=lambda item: -item[1]))}
 
 
 # How a column is shown: (header, scale, decimals); metrics keep 4 decimals.
@@ -175,14 +235,40 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
         cells = [summarise(record[k], *DISPLAY.get(k, (k, 1.0, 4))[1:]) for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(record['wall_seconds'])} |")
     if overhead:
-        lines += ["", f"Framework overhead: one FedAvg round took {overhead['flower_round_seconds']:.2f} s in Flower "
-                      f"(sites in parallel Ray workers) vs {overhead['plain_pytorch_round_seconds']:.2f} s for the same "
-                      "work (every site trains and validates, weights averaged, test evaluation) in a plain PyTorch "
-                      f"loop in one process (ratio {overhead['ratio']:.2f}x)."]
+        flower, plain = overhead["flower"], overhead["plain_pytorch"]
+        lines += ["", f"Framework overhead at equal parallelism ({plain['workers']} sites at a time, one torch thread "
+                      f"each): a steady-state FedAvg round (mean of rounds 2-{flower['rounds'] + 1}) took "
+                      f"{flower['wall_seconds']:.2f} s wall and "
+                      f"{flower['cpu_seconds']:.2f} CPU s (every process of the run) in Flower vs "
+                      f"{plain['wall_seconds']:.2f} s wall and {plain['cpu_seconds']:.2f} CPU s for the same work "
+                      f"(every site trains and validates, weights averaged, test evaluation; mean of {plain['rounds']} rounds) in a "
+                      "plain PyTorch loop "
+                      f"with {plain['workers']} worker processes: ratio {overhead['wall_ratio']:.2f}x wall, "
+                      f"{overhead['cpu_ratio']:.2f}x CPU."]
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     plot_per_class(per_class, class_names, PER_CLASS[multilabel], args.out / "per_class.png")
     return "\n".join(lines)
+
+
+def measure_overhead(args, run_config: dict) -> dict:
+    """A fresh FedAvg run in Flower with its rounds clocked (wall and CPU of every process of the run), then
+    the same round's work in a plain PyTorch loop at the same parallelism, back to back."""
+    cfg = RunConfig.from_run_config(run_config)
+    results_dir = args.out / "overhead-run"
+    shutil.rmtree(results_dir, ignore_errors=True)
+    with SimulationSuperLink() as superlink, ProcessTreeCPU(superlink.process.pid) as cpu:
+        clock = RoundClock(cpu)
+        print(f"== overhead: fedavg in Flower, {args.workers} ClientApps at a time", flush=True)
+        outcome = superlink.run_app({**run_config, "results-dir": str(results_dir.resolve())}, args.num_sites,
+                                    timeout=args.timeout, ray_cpus=args.workers, echo=True, on_line=clock)
+        if not outcome.completed:
+            raise SystemExit(f"overhead run ended {outcome.status}:\n{outcome.output[-3000:]}")
+    flower = clock.steady_round()
+    print(f"== overhead: the same round in a plain PyTorch loop, {args.workers} worker processes", flush=True)
+    plain = plain_pytorch_round(cfg, args.num_sites, min(args.workers, args.num_sites), flower["rounds"])
+    return {"flower": flower, "plain_pytorch": plain, "wall_ratio": flower["wall_seconds"] / plain["wall_seconds"],
+            "cpu_ratio": flower["cpu_seconds"] / plain["cpu_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-sites", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="the overhead figure's parallelism: ClientApps at a time in Flower (init-args-num-cpus, one "
+                             "CPU per ClientApp) and worker processes in the plain loop (default: the machine's cores)")
     args = parser.parse_args(argv)
 
     shared = parse_run_config(args.run_config)
@@ -238,12 +327,7 @@ def main(argv: list[str] | None = None) -> None:
 
     overhead = {}
     if "fedavg" in rows:
-        fedavg_runs = [path for (name, _), path in runs.items() if name == "fedavg"]
-        rounds = [json.loads(line) for line in (fedavg_runs[0] / "metrics.jsonl").read_text().splitlines()]
-        flower = statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0)
-        cfg = RunConfig.from_run_config({**shared, "method": "fedavg", "seed": seeds[0]})
-        plain = plain_pytorch_round_seconds(cfg, args.num_sites)
-        overhead = {"flower_round_seconds": flower, "plain_pytorch_round_seconds": plain, "ratio": flower / plain}
+        overhead = measure_overhead(args, {**shared, "method": "fedavg", "seed": seeds[0]})
         (args.out / "overhead.json").write_text(json.dumps(overhead, indent=2))
     print(write_report(args, runs, overhead))
     print(f"side-by-side page: {write_html_report(args.out)}")

@@ -254,6 +254,9 @@ def train_site(
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.
         metrics["etf-crc32"] = etf_fingerprint(etf)
+    # One line per site and round where the site's operator (and, in simulation, `flwr run --stream`) sees it.
+    print(f"site {site.site_id}: round {server_round} trained, {stats['num_examples']} examples, "
+          f"loss {stats['train_loss']:.4f}, {stats['train_seconds']:.1f}s", flush=True)
     return {**{k: v.cpu() for k, v in model.state_dict().items()}, **extra}, metrics
 
 

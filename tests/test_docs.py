@@ -225,19 +225,28 @@ def check_python_module(argv: list[str]) -> None:
     run_argparse_main(module.main, args, really_run=cheap or "--help" in args)
 
 
-def check_flwr(argv: list[str]) -> None:
-    """Walk Flower's click command tree: the subcommand exists and accepts every option given."""
-    import typer
-    from flwr.cli.app import app
-
-    command = typer.main.get_command(app)
+def check_click_command(command, argv: list[str]) -> None:
+    """Walk a click command tree: the subcommand exists and accepts every option given."""
     rest = argv[1:]
     while rest and hasattr(command, "commands") and rest[0] in command.commands:
         command, rest = command.commands[rest[0]], rest[1:]
-    assert not hasattr(command, "commands"), f"flwr: no subcommand {rest[:1]} (has {sorted(command.commands)})"
+    assert not hasattr(command, "commands"), f"{argv[0]}: no subcommand {rest[:1]} (has {sorted(command.commands)})"
     accepted = {"--help"} | {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
     unknown = [t.split("=")[0] for t in rest if t.startswith("-") and t.split("=")[0] not in accepted]
-    assert not unknown, f"flwr {command.name} does not accept {unknown}"
+    assert not unknown, f"{argv[0]} {command.name} does not accept {unknown}"
+
+
+def check_flwr(argv: list[str]) -> None:
+    import typer
+    from flwr.cli.app import app
+
+    check_click_command(typer.main.get_command(app), argv)
+
+
+def check_ray(argv: list[str]) -> None:
+    from ray.scripts.scripts import cli
+
+    check_click_command(cli, argv)
 
 
 def check_flower_program(argv: list[str]) -> None:
@@ -283,6 +292,8 @@ def check_command(command: Command) -> None:
         run_argparse_main(main, argv[1:], really_run="--help" in argv)
     elif program == "flwr":
         check_flwr(argv)
+    elif program == "ray":
+        check_ray(argv)
     elif program in FLOWER_ARGPARSE:
         check_flower_program(argv)
     elif program == "pip":
@@ -320,7 +331,7 @@ def test_the_docs_hold_commands_and_the_checks_catch_mistakes():
                                                                  "--out", "o"])):  # fmt: skip
             RunConfig.from_run_config(run_config)
     for bad in (["fedskew", "unlearn", "RUN_DIR", "--no-such-option"], ["flwr", "run", ".", "--no-such-option"],
-                ["flwr", "no-such-command"], ["flower-supernode", "--no-such-option"], ["pip", "install", ".[nope]"],
+                ["flwr", "no-such-command"], ["ray", "start", "--no-such-option"], ["flower-supernode", "--no-such-option"], ["pip", "install", ".[nope]"],
                 ["python", "-m", "fedskew.no_such_module"], ["python", "-m", "bench.compare", "--methods", "fedavg"],
                 ["fedskew", "report", "bench/results/no-such-file.json"], ["no-such-program-xyz"]):  # fmt: skip
         with pytest.raises(AssertionError):

@@ -14,6 +14,7 @@ from fedskew.data.pixels import unit_float
 from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
+from fedskew.factory.parallel import run_side_by_side, worker_count
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.progress import ProgressReporter
 from fedskew.factory.library import (
@@ -161,10 +162,51 @@ def planned_modules(
     ]
 
 
+def classes_only(site: SiteData, classes: tuple[int, ...]) -> SiteData:
+    """The site's training and validation images of these classes: all that one generator's training and
+    audit read (and all a worker process is sent)."""
+    train, val = np.isin(site.train_labels, classes), np.isin(site.val_labels, classes)
+    return dataclasses.replace(
+        site, train_images=site.train_images[train], train_labels=site.train_labels[train],
+        val_images=site.val_images[val], val_labels=site.val_labels[val],
+    )  # fmt: skip
+
+
+def train_audited_module(
+    cfg: RunConfig, site: SiteData, planned: PlannedModule, position: str, device: torch.device
+) -> tuple[GeneratorModule, Elapsed, Elapsed]:
+    """Train the planned generator on the site's images of its classes and audit it for memorisation;
+    returns the module (EMA weights) and the training's and the audit's time. `position` ("k/n") labels
+    its progress lines."""
+    factory = cfg.factory
+    chosen = np.isin(site.train_labels, planned.classes)
+    training, audit = Elapsed(), Elapsed()
+    with timed(training):
+        model, stats = train_generator(
+            site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
+            planned.config, device=device,
+            progress=ProgressReporter(f"site {site.site_id}: generator {position} {planned.module_id}", planned.config.batch_size),
+        )  # fmt: skip
+    with timed(audit):
+        score = audit_generator(model, list(planned.classes), site, factory, planned.config.seed, device)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    print(
+        f"site {site.site_id}: generator {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
+        f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
+        flush=True,
+    )
+    module = GeneratorModule(
+        planned.module_id, site.site_id, planned.classes, planned.image_counts, planned.config,
+        state_dict_checksum(state), score, state,
+    )  # fmt: skip
+    return module, training, audit
+
+
 def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
-    """One unconditional generator per class held (or one conditional one), each audited; returns the
-    modules (EMA weights) and timing metrics. Raises MemorizationRefusal instead of returning modules
-    that fail the audit."""
+    """One unconditional generator per class held (or one conditional one), each audited, in
+    factory.parallel-generators worker processes side by side; returns the modules (EMA weights, in plan
+    order) and timing metrics (seconds summed over the generators). Raises MemorizationRefusal instead of
+    returning modules that fail the audit."""
     factory = cfg.factory
     counts = np.bincount(site.train_labels, minlength=site.num_classes)
     plan = planned_modules(cfg, site.site_id, counts.tolist(), tuple(site.train_images.shape[1:]))
@@ -173,31 +215,17 @@ def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) 
             f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "
             f"training images (counts: {counts.tolist()})"
         )
+    workers = worker_count(factory.parallel_generators, len(plan), device)
+    jobs = [(cfg, classes_only(site, planned.classes), planned, f"{k}/{len(plan)}", device) for k, planned in enumerate(plan, 1)]
     modules, training, audit = [], Elapsed(), Elapsed()
-    for k, planned in enumerate(plan, 1):
-        chosen = np.isin(site.train_labels, planned.classes)
-        with timed(training):
-            model, stats = train_generator(
-                site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
-                planned.config, device=device,
-                progress=ProgressReporter(f"site {site.site_id}: generator {k}/{len(plan)} {planned.module_id}", planned.config.batch_size),
-            )  # fmt: skip
-        with timed(audit):
-            score = audit_generator(model, list(planned.classes), site, factory, planned.config.seed, device)
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        modules.append(
-            GeneratorModule(
-                planned.module_id, site.site_id, planned.classes, planned.image_counts, planned.config,
-                state_dict_checksum(state), score, state,
-            )
-        )  # fmt: skip
-        print(
-            f"site {site.site_id}: generator {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
-            f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
-            flush=True,
-        )
+    for module, module_training, module_audit in run_side_by_side(train_audited_module, jobs, workers):
+        modules.append(module)
+        training.add(module_training)
+        audit.add(module_audit)
     check_memorization(modules, factory.memorization_limit(deployed=isinstance(site, DeployedSite)))
-    return modules, {**training.as_metrics("generator"), **audit.as_metrics("audit"), "modules": len(modules)}
+    return modules, {
+        **training.as_metrics("generator"), **audit.as_metrics("audit"), "modules": len(modules), "generator_workers": workers,
+    }
 
 
 def lacking_classes(site: SiteData, library: Library) -> list[int]:

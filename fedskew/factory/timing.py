@@ -14,6 +14,10 @@ class Elapsed:
     wall: float = 0.0
     cpu: float = 0.0  # this process, all threads
 
+    def add(self, other: Elapsed) -> None:
+        self.wall += other.wall
+        self.cpu += other.cpu
+
     def as_metrics(self, name: str) -> dict[str, float]:
         return {f"{name}_seconds": self.wall, f"{name}_cpu_seconds": self.cpu}
 
