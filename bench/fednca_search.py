@@ -17,6 +17,14 @@ Selection: a trial's score is macro-F1 on the union of the sites' validation spl
 last round. A setting is chosen by its mean score over all datasets (never per dataset); the test
 metric is only reported. Results append to OUT/trials.jsonl (one line per finished trial, so a
 re-run skips what is done); `--report` writes OUT/search.md.
+
+Diagnosis: every trial also records what separates a ranking failure from a calibration failure —
+validation macro-AUC and mAP, labels predicted per image at 0.5 against labels present, the
+macro-F1 at the one threshold that is best on validation (and the test F1 at it), the scores with
+BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
+after every round and, for federated methods, the sites' own models' mean validation AUC before the
+last average. Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
+GroupNorm in the small CNN).
 """
 
 from __future__ import annotations
@@ -61,6 +69,13 @@ TRIALS = [
     ("fednca-e1-r15", "fednca", {"fednca.lr": 3e-3, "local-epochs": 1, "num-server-rounds": 15}),
     ("centralized-lr1e-2", "centralized", {"fednca.lr": 1e-2}),
     ("fednca-lr3e-2", "fednca", {"fednca.lr": 3e-2}),
+    ("fednca-no-ladm", "fednca", {"fednca.lr": 3e-3, "fednca.ladm": False}),
+    ("centralized-no-ladm", "centralized", {"fednca.lr": 3e-3, "fednca.ladm": False}),
+    ("fednca-r20", "fednca", {"fednca.lr": 3e-3, "num-server-rounds": 20}),
+    ("centralized-r20", "centralized", {"fednca.lr": 3e-3, "num-server-rounds": 20}),
+    ("fednca-no-regularisers", "fednca", {"fednca.lr": 3e-3, "fednca.regularisers": False}),
+    ("centralized-no-regularisers", "centralized", {"fednca.lr": 3e-3, "fednca.regularisers": False}),
+    ("fednca-reject-all", "fednca", {"fednca.lr": 3e-3, "fednca.rejection-scope": "all"}),
     ("fednca-round-schedule", "fednca", {"fednca.lr": 3e-3, "fednca.schedule-span": "round"}),
     ("fednca-lr1e-2-e1-r15", "fednca", {"fednca.lr": 1e-2, "local-epochs": 1, "num-server-rounds": 15}),
     ("fednca-proj128", "fednca", {"fednca.lr": 3e-3, "fednca.projection-dim": 128}),
@@ -103,9 +118,12 @@ class DictStore:
         self.tensors[name] = dict(tensors)
 
 
-def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf) -> torch.nn.Module:
-    """Train `model` in place as the method does (federated rounds, or the centralised bound)."""
+def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe) -> dict:
+    """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
+    trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
+    of the sites' own models after their last local training, before averaging."""
     device = torch.device("cpu")
+    trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
         images = np.concatenate([s.train_images for s in sites])
         labels = np.concatenate([s.train_labels for s in sites])
@@ -114,7 +132,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         for _ in range(cfg.num_server_rounds):
             train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                         loss_fn=loss_fn, device=device)
-        return model
+            trace["val_auc_by_round"].append(probe(model))
+        return trace
     state = model.state_dict()
     stores = [DictStore() for _ in sites]
     mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
@@ -125,8 +144,15 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             for k, site in enumerate(sites)
         ]
         state = federated_average(updates)
-    model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
-    return model
+        model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
+        trace["val_auc_by_round"].append(probe(model))
+    site_model = copy.deepcopy(model)
+    site_scores = []
+    for update, _ in updates:
+        site_model.load_state_dict({k: v for k, v in update.items() if k in state})
+        site_scores.append(probe(site_model))
+    trace["site_val_auc"] = float(np.mean(site_scores))
+    return trace
 
 
 @torch.no_grad()
@@ -160,16 +186,12 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
     threshold chosen on validation, and the scores with the BatchNorm statistics recomputed on the pooled
     training data instead of averaged."""
     device = torch.device("cpu")
-    multilabel = data.test_labels.ndim == 2
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
-    val = evaluate(model, val_images, val_labels, device=device)
-    test = evaluate(model, data.test_images, data.test_labels, device=device)
-    scores = {"val": val["f1_macro"], "test": test["f1_macro"], "val_auc": val["auc_macro"], "val_map": val["map"]}
-    if not multilabel:
-        return scores
     _, val_probs = predict(model, make_loader(val_images, val_labels, 256, shuffle=False), device, True)
     _, test_probs = predict(model, make_loader(data.test_images, data.test_labels, 256, shuffle=False), device, True)
+    val, test = multilabel_metrics(val_labels, val_probs), multilabel_metrics(data.test_labels, test_probs)
+    scores = {"val": val["f1_macro"], "test": test["f1_macro"], "val_auc": val["auc_macro"], "val_map": val["map"]}
     threshold = validation_threshold(val_labels, val_probs)
     scores.update({
         "labels_per_image": float(val_labels.sum(1).mean()),
@@ -180,9 +202,9 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
     })
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         pooled = recalibrated_batchnorm(model, np.concatenate([s.train_images for s in sites]))
-        scores["val_bnpool"] = evaluate(pooled, val_images, val_labels, device=device)["f1_macro"]
+        pooled_val = evaluate(pooled, val_images, val_labels, device=device)
+        scores["val_bnpool"], scores["val_auc_bnpool"] = pooled_val["f1_macro"], pooled_val["auc_macro"]
         scores["test_bnpool"] = evaluate(pooled, data.test_images, data.test_labels, device=device)["f1_macro"]
-        scores["val_auc_bnpool"] = evaluate(pooled, val_images, val_labels, device=device)["auc_macro"]
     return scores
 
 
@@ -217,8 +239,15 @@ def run_trial(cfg: RunConfig, fraction: float) -> dict:
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
-    model = train_trial(cfg, sites, build_model(cfg, data.num_classes, data.image_shape, etf=etf), etf)
-    return diagnose(model, sites, data)
+    model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
+    val_images = np.concatenate([s.val_images for s in sites])
+    val_labels = np.concatenate([s.val_labels for s in sites])
+
+    def probe(trained: torch.nn.Module) -> float:
+        return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
+
+    trace = train_trial(cfg, sites, model, etf, probe)
+    return {**diagnose(model, sites, data), **trace}
 
 
 def trial_config(dataset: str, method: str, overrides: dict, args) -> RunConfig:
