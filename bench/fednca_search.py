@@ -270,7 +270,10 @@ def diagnosis_cell(row: dict) -> str:
     if "val_auc" not in row:
         return "-"
     calibration = f" / {row['predicted_per_image']:.1f}:{row['labels_per_image']:.1f} / {row['test_thr']:.3f}@{row['threshold']:.2f}" if "threshold" in row else ""
-    return f"{row['val_auc']:.3f}{calibration}"
+    trace = row.get("val_auc_by_round", [])
+    rounds = f" / AUC by round {trace[0]:.2f}..{trace[len(trace) // 2 - 1]:.2f}..{trace[-1]:.2f}" if len(trace) >= 2 else ""
+    sites = f" / sites {row['site_val_auc']:.3f}" if "site_val_auc" in row else ""
+    return f"{row['val_auc']:.3f}{calibration}{rounds}{sites}"
 
 
 def report(out: Path) -> str:
@@ -296,7 +299,9 @@ def report(out: Path) -> str:
     lines += ["", "Chosen by mean validation macro-F1 over the datasets (complete trials only): "
               + ", ".join(f"{method}: {name}" for method, (_, name) in best.items()),
               "", "Diagnosis per dataset: validation macro-AUC / labels predicted : present per validation image "
-              "(at 0.5) / test macro-F1 at the one threshold chosen on validation @ that threshold.", "", *diagnosis]
+              "(at 0.5) / test macro-F1 at the one threshold chosen on validation @ that threshold [/ validation AUC "
+              "after the first, middle and last round / mean validation AUC of the sites' own models before the "
+              "last average, where recorded].", "", *diagnosis]
     (out / "search.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
