@@ -14,14 +14,25 @@ training split (the same seeded subset for every trial) and runs `--rounds` x `-
 the validation and test splits stay whole.
 
 Selection: a trial's score is macro-F1 on the union of the sites' validation splits after the
-last round. A setting is chosen by its mean score over all datasets (never per dataset); the test
-metric is only reported. Results append to OUT/trials.jsonl (one line per finished trial, so a
+last round. A FedNCA-ML setting replaces the default only if its score is higher on every dataset;
+a baseline's or the bound's learning rate is chosen by its mean score over all datasets (never per
+dataset); the test metric is only reported. Results append to OUT/trials.jsonl (one line per finished trial, so a
 re-run skips what is done); `--report` writes OUT/search.md.
+
+Diagnosis: every trial also records what separates a ranking failure from a calibration failure —
+validation macro-AUC and mAP, labels predicted per image at 0.5 against labels present, the
+macro-F1 at the one threshold that is best on validation (and the test F1 at it), the scores with
+BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
+after every round and, for federated methods, the sites' own models' mean validation AUC before the
+last average. Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
+GroupNorm in the small CNN).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import json
 import statistics
@@ -34,8 +45,10 @@ import torch
 from fedskew.client_tasks import local_optimisation, train_site
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
+from fedskew.models import backbones
 from fedskew.models.build import build_model, server_etf
-from fedskew.training import evaluate, make_loader, train_local
+from fedskew.metrics import multilabel_metrics
+from fedskew.training import evaluate, make_loader, predict, train_local
 
 NUM_SITES = 10
 # Multi-label datasets of different size, texture and difficulty, all with multilabel-skew partitions.
@@ -44,6 +57,7 @@ DATASETS = {
     "deformed-digits-mosaic": {"dataset": "deformed-digits", "image-size": 12, "mosaic-grid": 2},  # 24 px grey
     "shapes-multi": {"dataset": "shapes-multi", "image-size": 24, "mosaic-grid": 0},  # 24 px RGB, occlusion
 }
+DEFAULT_TRIAL = "fednca-lr3e-3"  # FedNCA-ML at its current defaults
 # (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid.
 TRIALS = [
     ("fednca-lr3e-3", "fednca", {"fednca.lr": 3e-3}),
@@ -52,10 +66,29 @@ TRIALS = [
     ("fednca-lr3e-3-keep", "fednca", {"fednca.lr": 3e-3, "fednca.keep-optimizer-state": True}),
     ("centralized-lr1e-3", "centralized", {"fednca.lr": 1e-3}),
     ("centralized-lr3e-3", "centralized", {"fednca.lr": 3e-3}),
+    # Ablations of the federated gap (5 rounds x 3 local epochs unless the trial says otherwise).
+    ("fednca-lr1e-2", "fednca", {"fednca.lr": 1e-2}),
+    ("fednca-e1-r15", "fednca", {"fednca.lr": 3e-3, "local-epochs": 1, "num-server-rounds": 15}),
+    ("centralized-lr1e-2", "centralized", {"fednca.lr": 1e-2}),
+    ("fednca-lr3e-2", "fednca", {"fednca.lr": 3e-2}),
+    ("fednca-no-ladm", "fednca", {"fednca.lr": 3e-3, "fednca.ladm": False}),
+    ("centralized-no-ladm", "centralized", {"fednca.lr": 3e-3, "fednca.ladm": False}),
+    ("fednca-r20", "fednca", {"fednca.lr": 3e-3, "num-server-rounds": 20}),
+    ("centralized-r20", "centralized", {"fednca.lr": 3e-3, "num-server-rounds": 20}),
+    ("fednca-no-regularisers", "fednca", {"fednca.lr": 3e-3, "fednca.regularisers": False}),
+    ("centralized-no-regularisers", "centralized", {"fednca.lr": 3e-3, "fednca.regularisers": False}),
+    ("fednca-reject-all", "fednca", {"fednca.lr": 3e-3, "fednca.rejection-scope": "all"}),
+    ("fednca-round-schedule", "fednca", {"fednca.lr": 3e-3, "fednca.schedule-span": "round"}),
+    ("fednca-lr1e-2-e1-r15", "fednca", {"fednca.lr": 1e-2, "local-epochs": 1, "num-server-rounds": 15}),
+    ("fednca-proj128", "fednca", {"fednca.lr": 3e-3, "fednca.projection-dim": 128}),
+    ("fednca-groupnorm", "fednca", {"fednca.lr": 3e-3, "bench.norm": "group"}),
+    ("centralized-groupnorm", "centralized", {"fednca.lr": 3e-3, "bench.norm": "group"}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
+    ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
     ("fedprox-lr0.05", "fedprox", {"lr": 0.05}),
     ("fedprox-lr0.02", "fedprox", {"lr": 0.02}),
+    ("fedprox-lr0.1", "fedprox", {"lr": 0.1}),
 ]
 
 
@@ -74,14 +107,25 @@ def federated_average(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> di
     return {k: sum(w * update[k].double() for w, (update, _) in zip(weights, updates)) for k in keys}
 
 
-def run_trial(cfg: RunConfig, fraction: float) -> dict:
-    """Train one method as configured; validation and test metrics after the last round."""
-    sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
-    data = load_task_dataset(cfg)
+class DictStore:
+    """A site's between-rounds tensor store (the ClientApp keeps it in its node state)."""
+
+    def __init__(self):
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None:
+        return self.tensors.get(name)
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors[name] = dict(tensors)
+
+
+def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe) -> dict:
+    """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
+    trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
+    of the sites' own models after their last local training, before averaging."""
     device = torch.device("cpu")
-    torch.manual_seed(cfg.seed)
-    etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
-    model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
+    trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
         images = np.concatenate([s.train_images for s in sites])
         labels = np.concatenate([s.train_labels for s in sites])
@@ -90,32 +134,129 @@ def run_trial(cfg: RunConfig, fraction: float) -> dict:
         for _ in range(cfg.num_server_rounds):
             train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                         loss_fn=loss_fn, device=device)
-    else:
-        state = model.state_dict()
-        kept = [{} if cfg.method == "fednca" and cfg.fednca.keep_optimizer_state else None for _ in sites]
-        mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
-        etf_array = etf.numpy() if etf is not None else None
-        for server_round in range(1, cfg.num_server_rounds + 1):
-            updates = [
-                train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array,
-                           optimizer_state=kept[k])
-                for k, site in enumerate(sites)
-            ]
-            state = federated_average(updates)
+            trace["val_auc_by_round"].append(probe(model))
+        return trace
+    state = model.state_dict()
+    stores = [DictStore() for _ in sites]
+    mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
+    etf_array = etf.numpy() if etf is not None else None
+    for server_round in range(1, cfg.num_server_rounds + 1):
+        updates = [
+            train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array, site_state=stores[k])
+            for k, site in enumerate(sites)
+        ]
+        state = federated_average(updates)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
+        trace["val_auc_by_round"].append(probe(model))
+    site_model = copy.deepcopy(model)
+    site_scores = []
+    for update, _ in updates:
+        site_model.load_state_dict({k: v for k, v in update.items() if k in state})
+        site_scores.append(probe(site_model))
+    trace["site_val_auc"] = float(np.mean(site_scores))
+    return trace
+
+
+@torch.no_grad()
+def recalibrated_batchnorm(model: torch.nn.Module, images: np.ndarray, batch_size: int = 256) -> torch.nn.Module:
+    """A copy of `model` whose BatchNorm running statistics are the exact pooled statistics of `images`
+    (cumulative average over batches) instead of the average of the sites' running statistics."""
+    model = copy.deepcopy(model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    model.train()
+    for start in range(0, len(images), batch_size):
+        model(torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size])))
+    return model.eval()
+
+
+def f1_at(labels: np.ndarray, probs: np.ndarray, threshold: float) -> float:
+    return float(multilabel_metrics(labels, probs, threshold)["f1_macro"])
+
+
+def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
+    """The one decision threshold (shared by all classes) with the best macro-F1 on the validation split."""
+    grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
+    return float(grid[int(np.argmax([f1_at(labels, probs, t) for t in grid]))])
+
+
+def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
+    """Validation (and test) scores of the trained model, plus what tells a feature failure (low AUC/mAP)
+    from a calibration failure (good ranking, nothing above 0.5): predicted labels per image, the F1 at a
+    threshold chosen on validation, and the scores with the BatchNorm statistics recomputed on the pooled
+    training data instead of averaged."""
+    device = torch.device("cpu")
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
-    return {
-        "val": evaluate(model, val_images, val_labels, device=device)["f1_macro"],
-        "test": evaluate(model, data.test_images, data.test_labels, device=device)["f1_macro"],
-    }
+    _, val_probs = predict(model, make_loader(val_images, val_labels, 256, shuffle=False), device, True)
+    _, test_probs = predict(model, make_loader(data.test_images, data.test_labels, 256, shuffle=False), device, True)
+    val, test = multilabel_metrics(val_labels, val_probs), multilabel_metrics(data.test_labels, test_probs)
+    scores = {"val": val["f1_macro"], "test": test["f1_macro"], "val_auc": val["auc_macro"], "val_map": val["map"]}
+    threshold = validation_threshold(val_labels, val_probs)
+    scores.update({
+        "labels_per_image": float(val_labels.sum(1).mean()),
+        "predicted_per_image": float((val_probs > 0.5).sum(1).mean()),
+        "threshold": threshold,
+        "val_thr": f1_at(val_labels, val_probs, threshold),
+        "test_thr": f1_at(data.test_labels, test_probs, threshold),
+    })
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        pooled = recalibrated_batchnorm(model, np.concatenate([s.train_images for s in sites]))
+        pooled_val = evaluate(pooled, val_images, val_labels, device=device)
+        scores["val_bnpool"], scores["val_auc_bnpool"] = pooled_val["f1_macro"], pooled_val["auc_macro"]
+        scores["test_bnpool"] = evaluate(pooled, data.test_images, data.test_labels, device=device)["f1_macro"]
+    return scores
+
+
+def group_norm_block(in_channels: int, out_channels: int, stride: int = 1) -> torch.nn.Sequential:
+    """The small CNN's conv block with GroupNorm (8 groups) in place of BatchNorm: no running statistics,
+    so nothing label-skewed is averaged and training and evaluation normalise alike."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
+        torch.nn.GroupNorm(8, out_channels),
+        torch.nn.ReLU(inplace=True),
+    )
+
+
+@contextlib.contextmanager
+def bench_options(options: dict):
+    """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm."""
+    unknown = set(options) - {"bench.norm"}
+    if unknown:
+        raise ValueError(f"unknown bench options {sorted(unknown)}; valid: bench.norm")
+    original = backbones.conv_bn_relu
+    if options.get("bench.norm") == "group":
+        backbones.conv_bn_relu = group_norm_block
+    try:
+        yield
+    finally:
+        backbones.conv_bn_relu = original
+
+
+def run_trial(cfg: RunConfig, fraction: float) -> dict:
+    """Train one method as configured; validation and test metrics after the last round."""
+    sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
+    data = load_task_dataset(cfg)
+    torch.manual_seed(cfg.seed)
+    etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
+    model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
+    val_images = np.concatenate([s.val_images for s in sites])
+    val_labels = np.concatenate([s.val_labels for s in sites])
+
+    def probe(trained: torch.nn.Module) -> float:
+        return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
+
+    trace = train_trial(cfg, sites, model, etf, probe)
+    return {**diagnose(model, sites, data), **trace}
 
 
 def trial_config(dataset: str, method: str, overrides: dict, args) -> RunConfig:
     return RunConfig.from_run_config({
         **DATASETS[dataset], "partition": "multilabel-skew", "alpha": 0.1, "missing-classes": 3,
         "num-server-rounds": args.rounds, "local-epochs": args.local_epochs, "seed": args.seed,
-        **overrides, "method": method,
+        **{k: v for k, v in overrides.items() if not k.startswith("bench.")}, "method": method,
     })
 
 
@@ -126,14 +267,28 @@ def done_trials(path: Path) -> dict[tuple[str, str], dict]:
     return {(row["trial"], row["dataset"]): row for row in rows}
 
 
+def diagnosis_cell(row: dict) -> str:
+    """val AUC, labels predicted / present per image, and the test macro-F1 at the validation-chosen threshold."""
+    if "val_auc" not in row:
+        return "-"
+    calibration = f" / {row['predicted_per_image']:.1f}:{row['labels_per_image']:.1f} / {row['test_thr']:.3f}@{row['threshold']:.2f}" if "threshold" in row else ""
+    trace = row.get("val_auc_by_round", [])
+    rounds = f" / AUC by round {trace[0]:.2f}..{trace[len(trace) // 2 - 1]:.2f}..{trace[-1]:.2f}" if len(trace) >= 2 else ""
+    sites = f" / sites {row['site_val_auc']:.3f}" if "site_val_auc" in row else ""
+    return f"{row['val_auc']:.3f}{calibration}{rounds}{sites}"
+
+
 def report(out: Path) -> str:
-    """search.md: validation (test) macro-F1 per trial and dataset, and each method's pick by mean validation."""
+    """search.md: validation (test) macro-F1 per trial and dataset, each method's pick by mean validation,
+    and the diagnosis table."""
     rows = done_trials(out / "trials.jsonl")
     datasets = [d for d in DATASETS if any(key[1] == d for key in rows)]
     lines = ["| trial | " + " | ".join(f"{d} val (test)" for d in datasets) + " | mean val |",
              "|---" * (len(datasets) + 2) + "|"]
+    diagnosis = ["| trial | " + " | ".join(datasets) + " |", "|---" * (len(datasets) + 1) + "|"]
     best: dict[str, tuple[float, str]] = {}
-    for name, method, _ in TRIALS:
+    better_everywhere: list[str] = []
+    for name, method, overrides in TRIALS:
         cells = [rows.get((name, d)) for d in datasets]
         if not any(cells):
             continue
@@ -141,10 +296,23 @@ def report(out: Path) -> str:
         mean_val = statistics.mean(c["val"] for c in cells) if complete else float("nan")
         lines.append(f"| {name} | " + " | ".join(f"{c['val']:.3f} ({c['test']:.3f})" if c else "-" for c in cells)
                      + (f" | {mean_val:.3f} |" if complete else " | incomplete |"))
-        if complete and mean_val > best.get(method, (-1.0, ""))[0]:
+        diagnosis.append(f"| {name} | " + " | ".join(diagnosis_cell(c) if c else "-" for c in cells) + " |")
+        same_budget = "num-server-rounds" not in overrides
+        if complete and same_budget and mean_val > best.get(method, (-1.0, ""))[0]:
             best[method] = (mean_val, name)
-    lines += ["", "Chosen by mean validation macro-F1 over the datasets (complete trials only): "
-              + ", ".join(f"{method}: {name}" for method, (_, name) in best.items())]
+        default = [rows.get((DEFAULT_TRIAL, d)) for d in datasets]
+        if complete and same_budget and method == "fednca" and name != DEFAULT_TRIAL and all(default) and all(
+            c["val"] > b["val"] for c, b in zip(cells, default)
+        ):
+            better_everywhere.append(name)
+    lines += ["", "Best mean validation macro-F1 over the datasets at the search's budget (complete trials only): "
+              + ", ".join(f"{method}: {name}" for method, (_, name) in best.items()),
+              "", f"FedNCA-ML settings with a higher validation macro-F1 than the default ({DEFAULT_TRIAL}) on every "
+              f"dataset (the rule for changing a default): {', '.join(better_everywhere) or 'none'}",
+              "", "Diagnosis per dataset: validation macro-AUC / labels predicted : present per validation image "
+              "(at 0.5) / test macro-F1 at the one threshold chosen on validation @ that threshold [/ validation AUC "
+              "after the first, middle and last round / mean validation AUC of the sites' own models before the "
+              "last average, where recorded].", "", *diagnosis]
     (out / "search.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -172,9 +340,11 @@ def main(argv: list[str] | None = None) -> None:
             if (wanted and name not in wanted) or (name, dataset) in done_trials(log):
                 continue
             start = time.process_time()
-            scores = run_trial(trial_config(dataset, method, overrides, args), args.site_fraction)
+            cfg = trial_config(dataset, method, overrides, args)
+            with bench_options({k: v for k, v in overrides.items() if k.startswith("bench.")}):
+                scores = run_trial(cfg, args.site_fraction)
             row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
-                   "rounds": args.rounds, "local_epochs": args.local_epochs, "site_fraction": args.site_fraction,
+                   "rounds": cfg.num_server_rounds, "local_epochs": cfg.local_epochs, "site_fraction": args.site_fraction,
                    "seed": args.seed, "cpu_seconds": round(time.process_time() - start, 1)}
             with log.open("a") as file:
                 file.write(json.dumps(row) + "\n")

@@ -87,19 +87,21 @@ def _site_model(
 def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, server_round: int):
     """(optimizer, scheduler, loss_fn) for the run's model. FedNCA-ML's warm-up/decay schedule spans
     the whole run (num-server-rounds x steps_per_round), so each round continues it where the previous
-    round stopped; its centralised bound builds it once (round 1) and trains every round with it."""
+    round stopped, or (fednca.schedule-span = "round") each round's steps alone; its centralised bound
+    builds it once (round 1) over its whole run and trains every round with it."""
     if not cfg.fednca_model:
         momentum = 0.0 if cfg.method in PLAIN_SGD_METHODS else cfg.momentum
         return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, classification_loss
     nca = cfg.fednca
+    per_round = nca.schedule_span == "round" and cfg.method != "centralized"
     optimizer, scheduler = fednca_optimizer(
         model,
-        total_steps=cfg.num_server_rounds * steps_per_round,
+        total_steps=steps_per_round if per_round else cfg.num_server_rounds * steps_per_round,
         lr=nca.lr,
         betas=(0.9, nca.beta2),
         weight_decay=nca.weight_decay,
         warmup_fraction=nca.warmup_fraction,
-        step_offset=(server_round - 1) * steps_per_round,
+        step_offset=0 if per_round else (server_round - 1) * steps_per_round,
     )
     loss_fn = functools.partial(
         fednca_loss,

@@ -68,7 +68,14 @@ class FedNCASection(_Section):
     lr: float = Field(3e-3, gt=0, le=1, description="Local AdamW learning rate (the paper: 1e-4 with ResNet-18 at 224 px).")
     beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2 (beta1 is 0.9).")
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (not on biases, norms, scale).")
-    warmup_fraction: float = Field(0.1, ge=0, lt=1, description="Share of all local steps spent in linear warm-up.")
+    warmup_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Share of the schedule's steps spent in linear warm-up (see `schedule-span`)."
+    )
+    schedule_span: Literal["run", "round"] = Field(
+        "run", description="What the warm-up/linear-decay schedule spans at a site: the whole `run` (each round "
+        "continues it) or each `round` (warm-up and decay within every round's local steps). The centralised bound "
+        "always spans its whole run."
+    )
     keep_optimizer_state: bool = Field(
         False, description="Each site keeps its AdamW moments from round to round (in its node state, never sent) "
         "instead of restarting them every round."
