@@ -187,8 +187,8 @@ def decode_modules(content: RecordDict, max_bytes: int) -> tuple[dict, dict[str,
 
 
 def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordDict:
-    """Round 1 at a site: train and audit its generators; raises MemorizationRefusal instead of uploading
-    a generator above factory.max-memorization."""
+    """Round 1 at a site: train and audit its generators; raises an UploadRefusal instead of uploading a
+    generator above factory.max-memorization or factory.max-epsilon."""
     modules, metrics = train_site_generators(cfg, site, device)
     manifest = {"site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules]}
     content = encode_modules(manifest, modules)
@@ -325,7 +325,7 @@ class FactoryFlow(RecordingMixin):
             states = decode_states(reply.content, max_bytes, [p.module_id for p in plan])
             return validate_upload(
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
-                max_memorization=cfg.factory.max_memorization,
+                max_memorization=cfg.factory.max_memorization, max_epsilon=cfg.factory.max_epsilon,
             )  # fmt: skip
 
         messages = [
