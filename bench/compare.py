@@ -86,8 +86,8 @@ DISPLAY = {
 
 
 def run_epsilon(summary: dict) -> float | None:
-    """The run's epsilon: spent by the weight-averaging methods' dp.*, or the largest of the factory
-    generators' (each site's generators are separate mechanisms on disjoint images); None without DP."""
+    """The run's epsilon: the privacy record's (dp.*, or DP generators), else the largest of the factory
+    generators' own (each image is in one generator); None without DP."""
     if "privacy" in summary:
         return summary["privacy"]["epsilon"]
     declared = [m["privacy"]["epsilon"] for m in summary.get("factory", {}).get("modules", []) if "privacy" in m]

@@ -15,8 +15,8 @@ from dp_accounting.rdp import RdpAccountant
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.sites import simulated_site
 from fedskew.factory.dp_sgd import DpSgd, clipped_sum, generator_privacy, per_image_gradients
-from fedskew.factory.library import GeneratorModule, UploadRejected, validate_upload
-from fedskew.factory.site import EpsilonRefusal, planned_modules, train_site_generators
+from fedskew.factory.library import GeneratorModule, UploadRejected, validate_modules, validate_upload
+from fedskew.factory.site import EpsilonRefusal, planned_module, planned_modules, train_site_generators
 from fedskew.models.edm2 import (
     CPU_PRESET,
     PowerFunctionEMA,
@@ -106,7 +106,7 @@ def test_epsilon_is_dp_accounting_of_what_runs_poisson_sampling_at_the_batch_rat
 
 def test_dp_step_without_noise_and_clipping_is_the_ordinary_step():
     images, _ = _batch(4)
-    nets, emas = [], []
+    nets, emas, grads = [], [], []
     for private in (False, True):
         net = build_generator(TINY).train()
         ema = PowerFunctionEMA(net, TINY.sigma_rel)
@@ -116,6 +116,7 @@ def test_dp_step_without_noise_and_clipping_is_the_ordinary_step():
             DpSgd(0.0, math.inf, 4, 4, secret_seed=0).gradients(net, images, None, TINY, rng)
         else:
             edm2_loss(net, images, None, TINY.P_mean, TINY.P_std, rng).backward()
+        grads.append({name: p.grad.clone() for name, p in net.named_parameters()})
         optimizer.step()
         ema.update(net, 4, 4)
         nets.append(net)
@@ -123,8 +124,9 @@ def test_dp_step_without_noise_and_clipping_is_the_ordinary_step():
     for (name, a), b, e_a, e_b in zip(
         nets[0].state_dict().items(), nets[1].state_dict().values(), emas[0].state_dict().values(), emas[1].state_dict().values()
     ):
-        # Adam's first step moves each weight by ~lr x sign(grad); equal gradients give equal weights.
         assert _close(b, a) and _close(e_b, e_a), name
+    # Adam's first step hardly depends on the gradient's scale, so the gradients themselves are compared too.
+    assert all(_close(grads[1][name], g) for name, g in grads[0].items())
 
 
 DP = {"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 2,
@@ -171,3 +173,19 @@ def test_the_server_rejects_generators_without_or_above_max_epsilon(declared, ma
     else:
         with pytest.raises(UploadRejected, match=reason):
             validate_upload(meta, states, **check)
+
+
+def test_a_relayed_library_must_carry_the_privacy_the_run_config_gives():
+    cfg = RunConfig.from_run_config(DP)
+    (planned,) = planned_modules(cfg, 0, [120] + [0] * 9, (1, 8, 8))
+    meta, states = _upload(planned, planned.privacy)
+    relayed = meta["modules"]
+
+    def plan(site_id, classes, counts):
+        return planned_module(cfg, site_id, classes, counts, (1, 8, 8), 10)
+
+    (module,) = validate_modules(relayed, states, num_classes=10, image_shape=(1, 8, 8), planned=plan)
+    assert module.privacy == planned.privacy
+    forged = [{**relayed[0], "privacy": {**planned.privacy, "noise-multiplier": 9.0}}]
+    with pytest.raises(UploadRejected, match="declared privacy .* differs"):
+        validate_modules(forged, states, num_classes=10, image_shape=(1, 8, 8), planned=plan)

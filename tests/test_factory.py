@@ -415,6 +415,7 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     assert {m["module-id"]: m["privacy"] for m in manifest["modules"]} == {m["module-id"]: derived[m["module-id"]] for m in manifest["modules"]}
     assert [m["privacy"]["epsilon"] for m in summary["factory"]["modules"]] == [m["privacy"]["epsilon"] for m in manifest["modules"]]
     assert all(0 < m["privacy"]["epsilon"] <= 50 for m in manifest["modules"])
+    assert summary["privacy"]["epsilon"] == max(m["privacy"]["epsilon"] for m in manifest["modules"])
     rounds = [json.loads(line) for line in (factory_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1]
     # accuracy is the test split's class shares weighting the per-class recalls (two computations agree)

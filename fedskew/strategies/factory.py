@@ -419,6 +419,20 @@ def save_experts(experts: list[Expert], cfg: RunConfig, task: TaskLike, director
     )  # fmt: skip
 
 
+def generators_privacy(library: Library) -> dict:
+    """The run's DP guarantee from its DP-SGD generators: each image is in exactly one generator, so
+    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image."""
+    guarantees = [m.privacy for m in library.modules]
+    return {
+        "mode": "dp-sgd-generators",
+        "epsilon": max(g["epsilon"] for g in guarantees),
+        "delta": max(g["delta"] for g in guarantees),
+        "generators": len(guarantees),
+        "accountant": guarantees[0]["accountant"],
+        "unit": guarantees[0]["unit"],
+    }
+
+
 def run_factory(
     grid: Grid,
     cfg: RunConfig,
@@ -446,6 +460,8 @@ def run_factory(
         missing_classes=missing,
         missing_class_names=[task.class_names[c] for c in missing],
     )
+    if any(m.privacy is not None for m in library.modules):
+        recorder.extra["privacy"] = generators_privacy(library)
     if missing:
         print(f"classes without a generator (not learnable this run): {[task.class_names[c] for c in missing]}", flush=True)
     if not library.modules:
