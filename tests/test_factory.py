@@ -1,5 +1,5 @@
 """FederatedFactory: PoE arithmetic, quota split, upload validation on tampered uploads, library and
-synthetic-set round trips, the memorisation audit, and end-to-end `flwr run`s of factory (one site
+synthetic-set round trips, the memorisation audit, and end-to-end `flwr run`s of factory (DP generators, one site
 refusing to upload) and factory-p2p, followed by modular unlearning of their run directories."""
 
 import dataclasses
