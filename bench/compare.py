@@ -141,7 +141,23 @@ DISPLAY = {
     "bytes_total": ("MB_moved", 1e-6, 1),
     "round_time_vs_fedavg": ("round_time_vs_fedavg", 1, 2),
     "epsilon": ("epsilon", 1, 2),
+    "memorized_share": ("memorized_share", 1, 3),
 }
+
+
+def run_epsilon(summary: dict) -> float | None:
+    """The run's epsilon: the privacy record's (dp.*, or DP generators), else the largest of the factory
+    generators' own (each image is in one generator); None without DP."""
+    if "privacy" in summary:
+        return summary["privacy"]["epsilon"]
+    declared = [m["privacy"]["epsilon"] for m in summary.get("factory", {}).get("modules", []) if "privacy" in m]
+    return max(declared) if declared else None
+
+
+def memorized_share(summary: dict) -> float | None:
+    """FederatedFactory: the mean over the uploaded generators of their audit's memorised share; None otherwise."""
+    shares = [m["memorization"] for m in summary.get("factory", {}).get("modules", [])]
+    return float(np.nanmean(shares)) if shares else None
 
 
 def summarise(values: list[float], scale: float = 1.0, decimals: int = 4) -> str:
@@ -200,7 +216,8 @@ def collect(runs: dict[tuple[str, int], Path]):
         record.setdefault("round_seconds", []).append(statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0))
         record.setdefault("bytes_total", []).append(summary["bytes"]["sent_total"] + summary["bytes"]["received_total"])
         # differential privacy: the epsilon spent (a row without DP has none: n/a)
-        record.setdefault("epsilon", []).append(summary.get("privacy", {}).get("epsilon"))
+        record.setdefault("epsilon", []).append(run_epsilon(summary))
+        record.setdefault("memorized_share", []).append(memorized_share(summary))
         per_class.setdefault(name, []).append(summary["final"][PER_CLASS[multilabel]])
     return results, per_class, class_names, multilabel
 
@@ -209,8 +226,9 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
     """results.json / results.md / per_class.png from every completed run so far."""
     results, per_class, class_names, multilabel = collect(runs)
     keys = list(SCALARS[multilabel]) + ["wall_seconds", "round_seconds", "bytes_total"]
-    if any(v is not None for record in results.values() for v in record["epsilon"]):
-        keys.append("epsilon")
+    for key in ("epsilon", "memorized_share"):
+        if any(v is not None for record in results.values() for v in record[key]):
+            keys.append(key)
     if "fedavg" in results:
         keys.append("round_time_vs_fedavg")
         fedavg_round = statistics.mean(results["fedavg"]["round_seconds"])

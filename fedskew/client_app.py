@@ -9,7 +9,7 @@ from flwr.clientapp import ClientApp
 
 from fedskew.client_tasks import evaluate_site, load_site, received_proximal_mu, site_survey, train_site
 from fedskew.config import RunConfig
-from fedskew.factory.site import MemorizationRefusal
+from fedskew.factory.site import UploadRefusal
 from fedskew.privacy import privacy_mod
 from fedskew.site_state import SiteState
 from fedskew.strategies.drift import SCAFFOLD_CONTROL_KEY
@@ -74,7 +74,7 @@ def factory_upload(msg: Message, context: Context) -> Message:
     site = load_site(cfg, context.node_config)
     try:
         return Message(site_upload(cfg, site, pick_device(cfg.device)), reply_to=msg)
-    except MemorizationRefusal as refusal:
+    except UploadRefusal as refusal:
         # A deliberate refusal, not a crash: the server records the reason and goes on without this site.
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(refusal)), reply_to=msg)
 

@@ -139,6 +139,30 @@ class FactorySection(_Section):
             return DEPLOYED_MAX_MEMORIZATION if deployed else 0.0
         return self.max_memorization
 
+    dp_noise_multiplier: float = Field(
+        0.0, ge=0, le=1000, description="DP-SGD for the generators: Gaussian noise std over `factory.dp-clipping-norm` "
+        "added to each step's sum of clipped per-image gradients, Poisson-sampled batches (0 = off); each "
+        "generator's epsilon goes into its manifest entry."
+    )
+    dp_clipping_norm: float = Field(
+        1.0, gt=0, le=1e6, description="DP-SGD: L2 bound of each training image's gradient (over all parameters)."
+    )
+    dp_delta: float = Field(
+        0.0, ge=0, lt=1, description="DP-SGD: delta of each generator's epsilon (0 = 1 / the images it trains on)."
+    )
+    max_epsilon: float = Field(
+        0.0, ge=0, le=1e6, description="A site refuses to train and upload a generator whose DP epsilon exceeds this, "
+        "and the server rejects an upload that declares none or a larger one (0 = no limit)."
+    )
+    @model_validator(mode="after")
+    def _epsilon_limit_needs_dp(self) -> FactorySection:
+        if self.max_epsilon > 0 and self.dp_noise_multiplier == 0:
+            raise _field_error(
+                "factory.max-epsilon", self.max_epsilon, "0 while factory.dp-noise-multiplier is 0 (generators trained "
+                "without DP have no epsilon to limit)"
+            )  # fmt: skip
+        return self
+
     sampler_steps: int = Field(16, ge=2, le=1000, description="Deterministic Heun sampler steps (the paper: 50).")
     sample_batch_size: int = Field(256, ge=1, le=65536, description="Images per sampler batch.")
     samples_per_class: int = Field(
@@ -405,7 +429,7 @@ def _check_dp(cfg: RunConfig) -> None:
     if cfg.dp.mode == "off":
         return
     if cfg.method not in ("fedavg", "fedprox", "fednca"):
-        raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (DP covers fedavg, fedprox, fednca)")
+        raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (dp.* covers fedavg, fedprox, fednca; factory's generators take factory.dp-noise-multiplier)")
     if cfg.dp.mode != "local" and cfg.aggregation != "unweighted":
         # The noise is calibrated to clipping-norm / sites: a weighted average gives one site more influence.
         raise _field_error("aggregation", cfg.aggregation, f"unweighted with dp.mode = {cfg.dp.mode!r}")

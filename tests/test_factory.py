@@ -1,5 +1,5 @@
 """FederatedFactory: PoE arithmetic, quota split, upload validation on tampered uploads, library and
-synthetic-set round trips, the memorisation audit, and end-to-end `flwr run`s of factory (one site
+synthetic-set round trips, the memorisation audit, and end-to-end `flwr run`s of factory (DP generators, one site
 refusing to upload) and factory-p2p, followed by modular unlearning of their run directories."""
 
 import dataclasses
@@ -32,7 +32,7 @@ from fedskew.factory.library import (
     validate_upload,
     write_library,
 )
-from fedskew.factory.site import MemorizationRefusal, check_memorization, generator_config, memorization_share
+from fedskew.factory.site import MemorizationRefusal, check_memorization, generator_config, memorization_share, planned_modules
 from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
@@ -313,6 +313,8 @@ E2E = {
 # With val-fraction 0.02 and seed 1, one of the 3 sites holds no held-out image of a class it models,
 # so with the audit on (max-memorization > 0) it cannot check that generator and refuses to upload.
 REFUSAL = {"val-fraction": 0.02, "seed": 1, "factory.max-memorization": 0.5}
+# The factory run's generators train with DP-SGD; every one's epsilon is below the limit the server applies.
+DP_GENERATORS = {"factory.dp-noise-multiplier": 2.0, "factory.max-epsilon": 50.0}
 
 
 # The P2P run also has the sites validate the server's classifier on their real validation images.
@@ -340,7 +342,8 @@ def _tree_hashes(root):
 @pytest.fixture(scope="module")
 def factory_outcome(superlink, tmp_path_factory):
     results = tmp_path_factory.mktemp("factory-results")
-    outcome = superlink.run_app({**E2E, **REFUSAL, "method": "factory", "results-dir": str(results)}, num_supernodes=3)
+    config = {**E2E, **REFUSAL, **DP_GENERATORS, "method": "factory", "results-dir": str(results)}
+    outcome = superlink.run_app(config, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
     return outcome, _only_run_dir(results)
 
@@ -400,6 +403,19 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     )
     for module in manifest["modules"]:
         assert (factory_run / "library" / f"{module['module-id']}.safetensors").is_file()
+    # DP generators: each module's epsilon, in the manifest and the summary, is the one its class size and
+    # the run config give (fedskew.factory.dp_sgd, checked against dp-accounting in test_dp_generators)
+    cfg = RunConfig.from_run_config({**E2E, **REFUSAL, **DP_GENERATORS, "method": "factory"})
+    sites = {k: simulated_site(cfg, k, 3) for k in range(3)}
+    derived = {
+        p.module_id: p.privacy
+        for site in sites.values()
+        for p in planned_modules(cfg, site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
+    }
+    assert {m["module-id"]: m["privacy"] for m in manifest["modules"]} == {m["module-id"]: derived[m["module-id"]] for m in manifest["modules"]}
+    assert [m["privacy"]["epsilon"] for m in summary["factory"]["modules"]] == [m["privacy"]["epsilon"] for m in manifest["modules"]]
+    assert all(0 < m["privacy"]["epsilon"] <= 50 for m in manifest["modules"])
+    assert summary["privacy"]["epsilon"] == max(m["privacy"]["epsilon"] for m in manifest["modules"])
     rounds = [json.loads(line) for line in (factory_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1]
     # accuracy is the test split's class shares weighting the per-class recalls (two computations agree)

@@ -74,6 +74,8 @@ class GeneratorModule:
     # nearest held-out image (NaN: not audited).
     memorization: float
     state: dict[str, torch.Tensor] = dataclasses.field(repr=False, compare=False)
+    # The DP-SGD guarantee (fedskew.factory.dp_sgd.generator_privacy: epsilon, delta, ...); None without DP.
+    privacy: dict | None = None
 
     @property
     def conditional(self) -> bool:
@@ -89,6 +91,7 @@ class GeneratorModule:
             "config": self.config.to_dict(),
             "checksum": self.checksum,
             "memorization": self.memorization,
+            **({"privacy": self.privacy} if self.privacy is not None else {}),
         }
 
     def model(self, device: torch.device | str = "cpu") -> Precond:
@@ -113,6 +116,7 @@ class PlannedModule:
     classes: tuple[int, ...]
     image_counts: tuple[int, ...]
     config: GeneratorConfig
+    privacy: dict | None = None
 
     @property
     def conditional(self) -> bool:
@@ -155,6 +159,37 @@ def _memorization(meta: dict, module_id: str, max_memorization: float) -> float:
     if max_memorization > 0 and not memorization <= max_memorization:
         raise _reject(module_id, f"declared memorization {memorization} exceeds factory.max-memorization {max_memorization}")
     return float(memorization)
+
+
+# Declared and derived epsilon may differ in the last digits when a site's numerical libraries are not the server's.
+EPSILON_RTOL = 1e-6
+
+
+def _privacy(meta: dict, module_id: str, max_epsilon: float, expected: dict | None | bool = False) -> dict | None:
+    """The declared DP guarantee: absent, or an object with a finite epsilon >= 0; with max_epsilon > 0 it
+    must be there and at most that. Given the `expected` one (derived from the run config; None: no DP),
+    it must be that, epsilon up to EPSILON_RTOL, and the expected one is returned."""
+    privacy = meta.get("privacy")
+    epsilon = privacy.get("epsilon") if isinstance(privacy, dict) else None
+    if privacy is not None and not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and 0 <= epsilon < math.inf):
+        raise _reject(module_id, f"privacy must be an object with a finite epsilon >= 0, got {_shown(privacy)}")
+    if max_epsilon > 0 and privacy is None:
+        raise _reject(module_id, f"declares no DP epsilon; factory.max-epsilon {max_epsilon} accepts only DP generators")
+    if max_epsilon > 0 and epsilon > max_epsilon:
+        raise _reject(module_id, f"declared DP epsilon {epsilon:.4g} exceeds factory.max-epsilon {max_epsilon}")
+    if expected is False:
+        return privacy
+    matches = (privacy is None) == (expected is None) and (
+        expected is None
+        or (_same_json({**privacy, "epsilon": 0}, {**expected, "epsilon": 0})
+            and math.isclose(epsilon, expected["epsilon"], rel_tol=EPSILON_RTOL))
+    )  # fmt: skip
+    if not matches:
+        raise _reject(
+            module_id, f"declared privacy {_shown(privacy)} differs from the server's, derived from the site's image "
+            f"counts and the run config: {_shown(expected)}"
+        )  # fmt: skip
+    return expected
 
 
 def _checked_weights(module_id: str, config: GeneratorConfig, meta: dict, state: dict[str, torch.Tensor]) -> str:
@@ -200,14 +235,16 @@ def _checked_module(
     expected_id = module_id_for(site_id, classes[0] if config.label_dim == 0 else None)
     if module_id != expected_id:
         raise _reject(module_id, f"a module of site {site_id} with classes {classes} is named {expected_id!r}")
+    privacy = _privacy(meta, module_id, 0.0)
     if planned is not None:
-        expected = planned(site_id, tuple(classes), tuple(counts)).config
-        if config != expected:
-            differing = [k for k, v in expected.to_dict().items() if config.to_dict()[k] != v]
+        expected = planned(site_id, tuple(classes), tuple(counts))
+        if config != expected.config:
+            differing = [k for k, v in expected.config.to_dict().items() if config.to_dict()[k] != v]
             raise _reject(module_id, f"generator config fields {differing} differ from the run config's generator")
+        privacy = _privacy(meta, module_id, 0.0, expected.privacy)
     memorization = _memorization(meta, module_id, 0.0)
     checksum = _checked_weights(module_id, config, meta, state)
-    return GeneratorModule(module_id, site_id, tuple(classes), tuple(counts), config, checksum, memorization, state)
+    return GeneratorModule(module_id, site_id, tuple(classes), tuple(counts), config, checksum, memorization, state, privacy)
 
 
 def validate_modules(
@@ -255,11 +292,13 @@ def validate_upload(
     plan: Sequence[PlannedModule],
     image_shape: tuple[int, int, int],
     max_memorization: float = 0.0,
+    max_epsilon: float = 0.0,
 ) -> list[GeneratorModule]:
     """One site's upload ({"site-id", "image-shape", "modules": [module metadata]}) checked against what
     the server derived for it: `site_id` is the one its node gave in its own survey reply, `plan` the
     modules its label counts and the run config make. The site supplies only weights, checksums and its
-    memorisation audit; every other declared fact must equal the plan."""
+    memorisation audit; every other declared fact (its DP guarantee too) must equal the plan. With
+    max_epsilon > 0 every module must declare a DP epsilon of at most that."""
     check_uploader(meta, site_id)
     if not _same_json(meta.get("image-shape"), list(image_shape)):
         raise UploadRejected(f"the site's images are {_shown(meta.get('image-shape'))} (C, H, W); the run's are {list(image_shape)}")
@@ -287,12 +326,13 @@ def validate_upload(
                     module_id, f"declared {key} {_shown(module_meta.get(key))} differs from the server's, derived from the "
                     f"site's survey and the run config: {_shown(expected)}"
                 )  # fmt: skip
+        privacy = _privacy(module_meta, module_id, max_epsilon, planned.privacy)
         memorization = _memorization(module_meta, module_id, max_memorization)
         checksum = _checked_weights(module_id, planned.config, module_meta, states[module_id])
         modules.append(
             GeneratorModule(
                 module_id, site_id, planned.classes, planned.image_counts, planned.config, checksum, memorization,
-                states[module_id],
+                states[module_id], privacy,
             )
         )  # fmt: skip
     return modules

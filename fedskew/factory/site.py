@@ -14,6 +14,7 @@ from fedskew.data.pixels import unit_float
 from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
+from fedskew.factory.dp_sgd import DpSgd, generator_privacy
 from fedskew.factory.parallel import run_side_by_side, worker_count
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.progress import ProgressReporter
@@ -49,8 +50,16 @@ def generator_preset(name: str, resolution: int) -> GeneratorConfig:
 MEMORIZATION_RATIO = 1 / 3
 
 
-class MemorizationRefusal(ValueError):
+class UploadRefusal(ValueError):
+    """The site will not upload its generators (a deliberate refusal, reported to the server, not a crash)."""
+
+
+class MemorizationRefusal(UploadRefusal):
     """The site will not upload: a generator's audit is above factory.max-memorization or impossible."""
+
+
+class EpsilonRefusal(UploadRefusal):
+    """The site will not train or upload: a generator's DP epsilon would exceed factory.max-epsilon."""
 
 
 def generator_config(
@@ -135,6 +144,19 @@ def check_memorization(modules: list[GeneratorModule], max_memorization: float) 
         )
 
 
+def check_epsilon(plan: list[PlannedModule], max_epsilon: float) -> None:
+    """Raise EpsilonRefusal naming every planned generator whose DP epsilon exceeds the limit (0 = none);
+    the epsilon follows from the run config and the class sizes, so this runs before any training."""
+    if max_epsilon <= 0:
+        return
+    problems = [f"{p.module_id}: epsilon {p.privacy['epsilon']:.4g}" for p in plan if p.privacy["epsilon"] > max_epsilon]
+    if problems:
+        raise EpsilonRefusal(
+            f"site refuses to train and upload: factory.max-epsilon = {max_epsilon} is exceeded: " + "; ".join(problems)
+            + " (raise factory.dp-noise-multiplier, or lower factory.generator-images / factory.generator-steps)"
+        )
+
+
 def planned_module(
     cfg: RunConfig, site_id: int, classes: tuple[int, ...], image_counts: tuple[int, ...],
     image_shape: tuple[int, int, int], num_classes: int,
@@ -145,7 +167,10 @@ def planned_module(
     # Purpose tag 0 = generators; class id + 1 per unconditional module, 0 for the conditional one.
     seed = derived_seed(cfg.seed, site_id, 0, 0 if conditional else classes[0] + 1)
     config = generator_config(cfg.factory, image_shape, num_classes if conditional else 0, sum(image_counts), seed)
-    return PlannedModule(module_id_for(site_id, None if conditional else classes[0]), classes, image_counts, config)
+    return PlannedModule(
+        module_id_for(site_id, None if conditional else classes[0]), classes, image_counts, config,
+        generator_privacy(cfg.factory, config, sum(image_counts)),
+    )  # fmt: skip
 
 
 def planned_modules(
@@ -180,24 +205,29 @@ def train_audited_module(
     its progress lines."""
     factory = cfg.factory
     chosen = np.isin(site.train_labels, planned.classes)
+    private = None if planned.privacy is None else DpSgd(
+        factory.dp_noise_multiplier, factory.dp_clipping_norm, planned.config.batch_size, int(chosen.sum())
+    )  # fmt: skip
     training, audit = Elapsed(), Elapsed()
     with timed(training):
         model, stats = train_generator(
             site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
             planned.config, device=device,
             progress=ProgressReporter(f"site {site.site_id}: generator {position} {planned.module_id}", planned.config.batch_size),
+            private=private,
         )  # fmt: skip
     with timed(audit):
         score = audit_generator(model, list(planned.classes), site, factory, planned.config.seed, device)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    dp = "" if planned.privacy is None else f", DP epsilon {planned.privacy['epsilon']:.3g} at delta {planned.privacy['delta']:.3g}"
     print(
         f"site {site.site_id}: generator {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
-        f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}",
+        f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}{dp}",
         flush=True,
     )
     module = GeneratorModule(
         planned.module_id, site.site_id, planned.classes, planned.image_counts, planned.config,
-        state_dict_checksum(state), score, state,
+        state_dict_checksum(state), score, state, planned.privacy,
     )  # fmt: skip
     return module, training, audit
 
@@ -215,6 +245,7 @@ def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) 
             f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "
             f"training images (counts: {counts.tolist()})"
         )
+    check_epsilon(plan, factory.max_epsilon)
     workers = worker_count(factory.parallel_generators, len(plan), device)
     jobs = [(cfg, classes_only(site, planned.classes), planned, f"{k}/{len(plan)}", device) for k, planned in enumerate(plan, 1)]
     modules, training, audit = [], Elapsed(), Elapsed()

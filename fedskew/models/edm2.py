@@ -14,8 +14,9 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -470,6 +471,9 @@ class Block(nn.Module):
 class UNet(nn.Module):
     """EDM2 UNet: F(x; c_noise, label), conditional when config.label_dim > 0."""
 
+    # Layout of the activations; per-image gradients under torch.func.vmap need the default one.
+    memory_format = MEMORY_FORMAT
+
     def __init__(self, config: GeneratorConfig, generator: torch.Generator,
                  label_balance: float = 0.5, concat_balance: float = 0.5):
         super().__init__()
@@ -527,7 +531,7 @@ class UNet(nn.Module):
             emb = mp_sum(emb, self.emb_label(class_onehot * math.sqrt(self.label_dim)), t=self.label_balance)
         emb = mp_silu(emb)
 
-        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1).contiguous(memory_format=MEMORY_FORMAT)
+        x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1).contiguous(memory_format=self.memory_format)
         skips = []
         for name, module in self.enc.items():
             x = module(x) if name.endswith("_conv") else module(x, emb)
@@ -587,7 +591,9 @@ class Precond(nn.Module):
             raise ValueError(f"this generator is conditional (label_dim {label_dim}); pass class ids")
         if labels.shape != (batch,):
             raise ValueError(f"labels must have shape ({batch},), got {tuple(labels.shape)}")
-        return F.one_hot(labels.to(device=device, dtype=torch.long), label_dim).to(torch.float32)
+        # A comparison, not F.one_hot, whose range check DP-SGD's vmap cannot run (callers validate the ids).
+        classes = torch.arange(label_dim, device=device)
+        return (labels.to(device=device, dtype=torch.long)[:, None] == classes).to(torch.float32)
 
 
 def build_generator(config: GeneratorConfig, device: torch.device | str | None = None) -> Precond:
@@ -611,19 +617,29 @@ def count_parameters(model: nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def edm2_loss(net: Precond, images: torch.Tensor, labels: torch.Tensor | None,
-              P_mean: float, P_std: float, generator: torch.Generator) -> torch.Tensor:
-    """Uncertainty-weighted EDM2 loss on images in [-1, 1]: summed over elements, averaged over the batch."""
-    batch = images.shape[0]
-    draw = torch.randn((batch, 1, 1, 1), generator=generator, device=images.device)
+def training_noise(images: torch.Tensor, P_mean: float, P_std: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each image's noise level sigma (B, 1, 1, 1), log-normal, and its noise (the images' shape) scaled by it."""
+    draw = torch.randn((images.shape[0], 1, 1, 1), generator=generator, device=images.device)
     sigma = (draw * P_std + P_mean).exp()
+    return sigma, torch.randn(images.shape, generator=generator, device=images.device) * sigma
+
+
+def elementwise_loss(net: Callable, images: torch.Tensor, labels: torch.Tensor | None,
+                     sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Uncertainty-weighted EDM2 loss of every element of images in [-1, 1] noised by `training_noise`;
+    `net` is the denoiser (or a functional call of it: DP-SGD takes per-image gradients through this)."""
     weight = (sigma**2 + SIGMA_DATA**2) / (sigma * SIGMA_DATA) ** 2
-    noise = torch.randn(images.shape, generator=generator, device=images.device) * sigma
     denoised, logvar = net(images + noise, sigma, labels, return_logvar=True)
     # Under bf16 autocast the network's outputs may be bf16; the loss itself is summed in float32.
     denoised, logvar = denoised.to(torch.float32), logvar.to(torch.float32)
-    per_element = weight / logvar.exp() * (denoised - images) ** 2 + logvar
-    return per_element.sum() / batch
+    return weight / logvar.exp() * (denoised - images) ** 2 + logvar
+
+
+def edm2_loss(net: Precond, images: torch.Tensor, labels: torch.Tensor | None,
+              P_mean: float, P_std: float, generator: torch.Generator) -> torch.Tensor:
+    """Uncertainty-weighted EDM2 loss on images in [-1, 1]: summed over elements, averaged over the batch."""
+    sigma, noise = training_noise(images, P_mean, P_std, generator)
+    return elementwise_loss(net, images, labels, sigma, noise).sum() / images.shape[0]
 
 
 def learning_rate(images_seen: int, ref_lr: float, t_ref: int, t_rampup: int) -> float:
@@ -674,6 +690,16 @@ class TrainStats:
 
 
 ProgressFn = Callable[[int, int, float], None]
+
+
+class PrivateGradients(Protocol):
+    """DP-SGD in place of the ordinary step (fedskew.factory.dp_sgd): which images each step sees, and the
+    step's gradients (set on the parameters; the batch's mean loss returned)."""
+
+    def batches(self, n: int) -> Iterator[np.ndarray]: ...
+
+    def gradients(self, net: Precond, images: torch.Tensor, labels: torch.Tensor | None, config: GeneratorConfig,
+                  generator: torch.Generator) -> torch.Tensor: ...
 
 
 def print_progress(step: int, total: int, loss: float) -> None:
@@ -759,6 +785,7 @@ def train_generator(
     progress: ProgressFn | None = print_progress,
     device: torch.device | None = None,
     precision: str = "auto",
+    private: PrivateGradients | None = None,
 ) -> tuple[Precond, TrainStats]:
     """Train an EDM2 generator from scratch; returns the EMA model (eval mode) and training stats.
 
@@ -766,6 +793,8 @@ def train_generator(
     None for an unconditional one (FederatedFactory trains one unconditional model per class).
     progress(step, total, loss) is called after every step; None silences it. precision: the
     forward and backward passes under bf16 autocast ('bf16'; 'auto' = bf16 on CUDA) or in fp32.
+    private: DP-SGD's batches and gradients (always fp32) instead of shuffled epochs and backprop; the
+    schedule, forced weight normalisation (in the forward pass), Adam and the EMA stay as they are.
     """
     _validate_training_data(images, labels, config)
     device = torch.device(device) if device is not None else default_device()
@@ -782,7 +811,7 @@ def train_generator(
         net = build_generator(config, device).train()
         ema = PowerFunctionEMA(net, config.sigma_rel)
         optimizer = torch.optim.Adam(net.parameters(), lr=config.ref_lr, betas=ADAM_BETAS, eps=ADAM_EPS)
-        batches = _index_stream(images.shape[0], config.batch_size, rng)
+        batches = _index_stream(images.shape[0], config.batch_size, rng) if private is None else private.batches(images.shape[0])
         total = config.total_steps
         losses: list[float] = []
         images_seen = 0
@@ -791,10 +820,13 @@ def train_generator(
             index = torch.from_numpy(next(batches)).to(device)
             batch = augment(data[index], config.augment_flip, config.augment_rot90, rng)
             batch_labels = class_ids[index] if class_ids is not None else None
-            with torch.autocast(device.type, dtype=mixed or torch.float32, enabled=mixed is not None):
-                loss = edm2_loss(net, batch, batch_labels, config.P_mean, config.P_std, torch_rng)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if private is None:
+                with torch.autocast(device.type, dtype=mixed or torch.float32, enabled=mixed is not None):
+                    loss = edm2_loss(net, batch, batch_labels, config.P_mean, config.P_std, torch_rng)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            else:
+                loss = private.gradients(net, batch, batch_labels, config, torch_rng)
             for param in net.parameters():
                 if param.grad is not None:
                     torch.nan_to_num(param.grad, nan=0.0, posinf=0.0, neginf=0.0, out=param.grad)

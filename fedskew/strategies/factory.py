@@ -187,8 +187,8 @@ def decode_modules(content: RecordDict, max_bytes: int) -> tuple[dict, dict[str,
 
 
 def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordDict:
-    """Round 1 at a site: train and audit its generators; raises MemorizationRefusal instead of uploading
-    a generator above factory.max-memorization."""
+    """Round 1 at a site: train and audit its generators; raises an UploadRefusal instead of uploading a
+    generator above factory.max-memorization or factory.max-epsilon."""
     modules, metrics = train_site_generators(cfg, site, device)
     manifest = {"site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules]}
     content = encode_modules(manifest, modules)
@@ -325,7 +325,7 @@ class FactoryFlow(RecordingMixin):
             states = decode_states(reply.content, max_bytes, [p.module_id for p in plan])
             return validate_upload(
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
-                max_memorization=cfg.factory.max_memorization,
+                max_memorization=cfg.factory.max_memorization, max_epsilon=cfg.factory.max_epsilon,
             )  # fmt: skip
 
         messages = [
@@ -419,6 +419,20 @@ def save_experts(experts: list[Expert], cfg: RunConfig, task: TaskLike, director
     )  # fmt: skip
 
 
+def generators_privacy(library: Library) -> dict:
+    """The run's DP guarantee from its DP-SGD generators: each image is in exactly one generator, so
+    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image."""
+    guarantees = [m.privacy for m in library.modules]
+    return {
+        "mode": "dp-sgd-generators",
+        "epsilon": max(g["epsilon"] for g in guarantees),
+        "delta": max(g["delta"] for g in guarantees),
+        "generators": len(guarantees),
+        "accountant": guarantees[0]["accountant"],
+        "unit": guarantees[0]["unit"],
+    }
+
+
 def run_factory(
     grid: Grid,
     cfg: RunConfig,
@@ -446,6 +460,8 @@ def run_factory(
         missing_classes=missing,
         missing_class_names=[task.class_names[c] for c in missing],
     )
+    if any(m.privacy is not None for m in library.modules):
+        recorder.extra["privacy"] = generators_privacy(library)
     if missing:
         print(f"classes without a generator (not learnable this run): {[task.class_names[c] for c in missing]}", flush=True)
     if not library.modules:
