@@ -224,6 +224,29 @@ def summary_table(results: list[dict]) -> str:
     return "\n".join(lines + recall) + "\n"
 
 
+def across_datasets(directories: list[Path]) -> str:
+    """Variants (rows) x datasets (columns): accuracy / ratio to the centralised bound / lowest class recall,
+    mean over seeds, and the mean ratio over the datasets that ran the variant (how a default is chosen)."""
+    runs = {d.name: json.loads((d / "results.json").read_text()) for d in directories}
+    variants = list(dict.fromkeys(r["variant"] for results in runs.values() for r in results))
+    lines = ["| variant | " + " | ".join(runs) + " | mean ratio | lowest recall |", "|---" * (len(runs) + 3) + "|"]
+    for name in variants:
+        cells, ratios, recalls = [], [], []
+        for results in runs.values():
+            rows = [r for r in results if r["variant"] == name]
+            if not rows:
+                cells.append("not run")
+                continue
+            accuracy, ratio, recall = (statistics.mean(float(r[k]) for r in rows) for k in ("accuracy", "ratio_to_centralised", "min_class_recall"))
+            ratios.append(ratio)
+            recalls.append(recall)
+            cells.append(f"{accuracy:.3f} / {ratio:.3f} / {recall:.2f}")
+        complete = len(ratios) == len(runs)
+        mean = f"{statistics.mean(ratios):.3f}" if complete else "incomplete"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} | {min(recalls):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     name, sep, overlay = text.partition(":")
     if not sep or not name.strip():
@@ -242,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-cost", default="", help="instead of a search: comma-separated image sides whose "
                         "cpu-preset generator step time to measure (writes OUT/step-cost.json)")
     parser.add_argument("--channels", type=int, default=1, help="image channels for --step-cost")
+    parser.add_argument("--across", default="", help="instead of a search: comma-separated result folders to "
+                        "tabulate variant by dataset (writes OUT/across-datasets.md)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -251,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
         rows = generator_step_cost([int(s) for s in args.step_cost.split(",")], args.channels, steps=4)
         path = args.out / f"step-cost-{args.channels}ch.json"
         path.write_text(json.dumps(rows, indent=1) + "\n")
+        return
+    if args.across:
+        table = across_datasets([Path(d) for d in args.across.split(",")])
+        (args.out / "across-datasets.md").write_text(table)
+        print(table)
         return
     if not args.variant:
         raise SystemExit("--variant is required (or --step-cost)")
