@@ -2,8 +2,11 @@
 
 import numpy as np
 import pytest
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedskew.factory.intensity import INTENSITY_BINS, check_histograms, class_histograms, match_intensity, quantile_function
+from fedskew.factory.library import UploadRejected
+from fedskew.strategies.factory import INTENSITY_KEY, SiteIdentity, uploaded_histograms
 
 BIN = 1 / INTENSITY_BINS
 
@@ -103,11 +106,6 @@ def test_the_server_refuses_histograms_that_contradict_the_survey(forge, reason)
 
 
 def test_an_upload_without_its_histograms_is_rejected_with_the_reason():
-    from flwr.app import Array, ArrayRecord, RecordDict
-
-    from fedskew.factory.library import UploadRejected
-    from fedskew.strategies.factory import INTENSITY_KEY, SiteIdentity, uploaded_histograms
-
     identity = SiteIdentity(node=5, site_id=0, label_counts=COUNTS)
     content = RecordDict({INTENSITY_KEY: ArrayRecord({INTENSITY_KEY: Array(honest_histograms())})})
     np.testing.assert_array_equal(uploaded_histograms(content, identity, SHAPE), honest_histograms())
