@@ -20,6 +20,7 @@ to their class. OUT/results.json and OUT/results.md are rewritten after every ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -43,8 +44,11 @@ from fedskew.factory.library import (
     save_synthetic,
     write_library,
 )
-from fedskew.factory.site import train_site_generators
+from fedskew.factory.intensity import class_histograms, match_intensity
+from fedskew.factory.site import generator_config, train_site_generators
+from fedskew.models.edm2 import train_generator
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
+from fedskew.fidelity import classifier_features, mean_over_classes, per_class_fidelity
 from fedskew.training import evaluate, pick_device
 
 SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
@@ -128,10 +132,15 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     if ref_key not in references:
         references[ref_key] = centralised_reference(cfg, sites, test, device)
     reference, reference_metrics = references[ref_key]
+    real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device)
+    if cfg.factory.match_intensity:  # what the sites' uploads carry, summed over the sites
+        histograms = sum(class_histograms(s.train_images, s.train_labels, library.num_classes) for s in sites)
+        synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
     synthesis_seconds = time.perf_counter() - start
-    grids = out / "samples" / f"{library_dir.name}-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}"
+    matched = "-matched" if cfg.factory.match_intensity else ""
+    grids = out / "samples" / f"{library_dir.name}-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps{matched}-seed{cfg.seed}"
     if not grids.is_dir():  # variants that share the synthetic set share its grids
         save_class_grids(synthetic, grids)
     checkpoints = {} if cfg.factory.site_validation else None
@@ -147,7 +156,11 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         model.load_state_dict(state)
     classifier_seconds = time.perf_counter() - start
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
-    real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
+    fd_key = ("features", cfg.seed)
+    if fd_key not in references:  # the fidelity report's feature net, trained on the sites' pooled real images
+        references[fd_key] = classifier_features(*real, library.num_classes, cfg.seed, device)
+    fidelity = per_class_fidelity(references[fd_key], synthetic.images, synthetic.labels, real,
+                                  (test.test_images, test.test_labels), tuple(library.class_names), cfg.seed)  # fmt: skip
     return {
         "variant": name, "seed": cfg.seed, "accuracy": metrics["accuracy"],
         "balanced_accuracy": metrics["balanced_accuracy"], "per_class_recall": metrics["per_class_recall"],
@@ -157,20 +170,49 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         "last_epoch": stats["last_epoch"], "synthetic_val_accuracy": stats["val_accuracy"],
         "generator_seconds": generator_seconds, "synthesis_seconds": synthesis_seconds,
         "classifier_seconds": classifier_seconds, "site_validation": site_report, "samples": str(grids),
+        "fd": mean_over_classes(fidelity)["fd"], "fd_floor": mean_over_classes(fidelity)["fd_floor"],
+        "fidelity_per_class": fidelity,
         "intensity": intensity_report(synthetic.images, synthetic.labels, *real, reference, device),
     }  # fmt: skip
+
+
+def generator_step_cost(sides: list[int], channels: int, steps: int) -> list[dict]:
+    """CPU seconds per training step (loss, backward, Adam, EMA) of the `cpu` preset at each image side, at
+    the batch a class of 180 images gets, with the torch threads set by --threads; process time, so other
+    load on a shared machine does not inflate it. The first step (allocation) is not counted."""
+    rows = []
+    for side in sides:
+        factory = RunConfig.from_run_config({**SILOS, "method": "factory", "factory.generator-steps": steps + 1}).factory
+        config = generator_config(factory, (channels, side, side), 0, 180, seed=0)
+        images = np.random.default_rng(0).random((180, channels, side, side), dtype=np.float32)
+        times: list[float] = []
+        clock = [time.process_time()]
+
+        def lap(step: int, total: int, loss: float) -> None:
+            now = time.process_time()
+            if step > 1:
+                times.append(now - clock[0])
+            clock[0] = now
+
+        train_generator(images, None, config, progress=lap, device=torch.device("cpu"))
+        preset_steps = generator_config(RunConfig.from_run_config({**SILOS, "method": "factory"}).factory, (channels, side, side), 0, 180, 0).total_steps
+        rows.append({"side": side, "channels": channels, "channel_mult": list(config.channel_mult),
+                     "attn": list(config.attn_resolutions), "blocks": config.num_blocks, "batch": config.batch_size,
+                     "preset_steps": preset_steps, "cpu_seconds_per_step": statistics.median(times)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def summary_table(results: list[dict]) -> str:
     """Mean ± sd over seeds per variant."""
     columns = ("accuracy", "balanced_accuracy", "ratio_to_centralised", "min_class_recall", "centralised_accuracy",
-               "best_epoch", "last_epoch", "generator_seconds", "classifier_seconds")  # fmt: skip
+               "best_epoch", "last_epoch", "fd", "fd_floor", "generator_seconds", "classifier_seconds")  # fmt: skip
     lines = ["| variant | " + " | ".join(columns) + " | seeds |", "|---" * (len(columns) + 2) + "|"]
     for name in dict.fromkeys(r["variant"] for r in results):
         rows = [r for r in results if r["variant"] == name]
         cells = []
         for column in columns:
-            values = [float(r[column]) for r in rows]
+            values = [float(r.get(column, "nan")) for r in rows]
             sd = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
             cells.append(f"{statistics.mean(values):.3f}{sd}")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {','.join(str(r['seed']) for r in rows)} |")
@@ -180,6 +222,29 @@ def summary_table(results: list[dict]) -> str:
         per_class = np.mean([r["per_class_recall"] for r in results if r["variant"] == name], axis=0)
         recall.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in per_class) + " |")
     return "\n".join(lines + recall) + "\n"
+
+
+def across_datasets(directories: list[Path]) -> str:
+    """Variants (rows) x datasets (columns): accuracy / ratio to the centralised bound / lowest class recall,
+    mean over seeds, and the mean ratio over the datasets that ran the variant (how a default is chosen)."""
+    runs = {d.name: json.loads((d / "results.json").read_text()) for d in directories}
+    variants = list(dict.fromkeys(r["variant"] for results in runs.values() for r in results))
+    lines = ["| variant | " + " | ".join(runs) + " | mean ratio | lowest recall |", "|---" * (len(runs) + 3) + "|"]
+    for name in variants:
+        cells, ratios, recalls = [], [], []
+        for results in runs.values():
+            rows = [r for r in results if r["variant"] == name]
+            if not rows:
+                cells.append("not run")
+                continue
+            accuracy, ratio, recall = (statistics.mean(float(r[k]) for r in rows) for k in ("accuracy", "ratio_to_centralised", "min_class_recall"))
+            ratios.append(ratio)
+            recalls.append(recall)
+            cells.append(f"{accuracy:.3f} / {ratio:.3f} / {recall:.2f}")
+        complete = len(ratios) == len(runs)
+        mean = f"{statistics.mean(ratios):.3f}" if complete else "incomplete"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} | {min(recalls):.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -196,12 +261,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-sites", type=int, default=10)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--base", default="", help="run-config overlay shared by every variant (after the silo partition)")
-    parser.add_argument("--variant", action="append", required=True, help="'NAME: key=value ...' (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], help="'NAME: key=value ...' (repeatable)")
+    parser.add_argument("--step-cost", default="", help="instead of a search: comma-separated image sides whose "
+                        "cpu-preset generator step time to measure (writes OUT/step-cost.json)")
+    parser.add_argument("--channels", type=int, default=1, help="image channels for --step-cost")
+    parser.add_argument("--across", default="", help="instead of a search: comma-separated result folders to "
+                        "tabulate variant by dataset (writes OUT/across-datasets.md)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.step_cost:
+        rows = generator_step_cost([int(s) for s in args.step_cost.split(",")], args.channels, steps=4)
+        path = args.out / f"step-cost-{args.channels}ch.json"
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        return
+    if args.across:
+        table = across_datasets([Path(d) for d in args.across.split(",")])
+        (args.out / "across-datasets.md").write_text(table)
+        print(table)
+        return
+    if not args.variant:
+        raise SystemExit("--variant is required (or --step-cost)")
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["variant"], r["seed"]) for r in results}

@@ -208,6 +208,11 @@ class FactorySection(_Section):
         3, ge=0, le=100, description="With `factory.site-validation`: rounds of output-bias calibration at the sites "
         "(0 = pick the epoch only)."
     )
+    match_intensity: bool = Field(
+        False, description="Sites send per-class histograms of their real training pixels with their generators "
+        "(counts only); the server maps each synthetic class's pixels onto them (histogram matching) before "
+        "training its classifier (in factory-p2p the round-1 classifier; the experts train on unmatched images)."
+    )
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."
     )

@@ -317,8 +317,10 @@ REFUSAL = {"val-fraction": 0.02, "seed": 1, "factory.max-memorization": 0.5}
 DP_GENERATORS = {"factory.dp-noise-multiplier": 2.0, "factory.max-epsilon": 50.0}
 
 
-# The P2P run also has the sites validate the server's classifier on their real validation images.
-P2P = {"method": "factory-p2p", "factory.conditional": True, "factory.site-validation": True, "factory.calibration-rounds": 1}
+# The P2P run also has the sites validate the server's classifier on their real validation images, and
+# match its synthetic images to the pixel histograms they upload.
+P2P = {"method": "factory-p2p", "factory.conditional": True, "factory.site-validation": True, "factory.calibration-rounds": 1,
+       "factory.match-intensity": True}
 
 
 @pytest.fixture(scope="module")
@@ -461,6 +463,17 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     assert len(validation["site_val_balanced_accuracy_by_calibration_round"]) == 1 and len(validation["class_bias"]) == 10
     cfg = RunConfig.from_run_config({**E2E, **P2P})
     assert validation["site_val_images"] == sum(len(simulated_site(cfg, k, 3).val_labels) for k in range(3))
+    # Every site's histograms passed the server's check and the stored synthetic set is the matched one:
+    # every pixel of a class lies in a histogram bin that holds real training pixels of that class (the
+    # digits' pixels are multiples of 1/16: 17 of the 256 bins), whatever the generators drew.
+    assert summary["factory"]["classifier"]["intensity_matched"] is True and summary["factory"]["rejected"] == []
+    synthetic = load_synthetic(p2p_run / "synthetic.safetensors")
+    sites = [simulated_site(cfg, k, 3) for k in range(3)]
+    images, labels = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
+    for class_id in np.unique(synthetic.labels):
+        real_bins = np.unique(np.minimum(images[labels == class_id] * 256, 255).astype(int))
+        matched = synthetic.images[synthetic.labels == class_id].ravel()[:, None] * 256
+        assert np.all(((matched >= real_bins - 1e-4) & (matched <= real_bins + 1 + 1e-4)).any(axis=1))
 
 
 def test_unlearning_a_site_drops_exactly_its_modules_and_leaves_the_source_run_unchanged(factory_run, tmp_path, capsys):

@@ -52,6 +52,7 @@ from fedskew.factory.library import (
     validate_upload,
     write_library,
 )
+from fedskew.factory.intensity import check_histograms, class_histograms, match_intensity
 from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.fidelity import record_fidelity
@@ -65,6 +66,7 @@ P2P_MESSAGE = "train.p2p"
 MANIFEST_KEY = "manifest"
 GENERATOR_PREFIX = "generator."
 EXPERT_KEY = "expert"
+INTENSITY_KEY = "intensity"
 METRICS_KEY = "metrics"
 LIBRARY_DIR = "library"
 EXPERTS_DIR = "experts"
@@ -193,7 +195,26 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     manifest = {"site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules]}
     content = encode_modules(manifest, modules)
     content[METRICS_KEY] = MetricRecord({**metrics, "site-id": site.site_id})
+    if cfg.factory.match_intensity:
+        histograms = class_histograms(site.train_images, site.train_labels, site.num_classes)
+        content[INTENSITY_KEY] = ArrayRecord({INTENSITY_KEY: Array(histograms)})
     return content
+
+
+def uploaded_histograms(content: RecordDict, identity: SiteIdentity, image_shape: tuple[int, int, int]) -> np.ndarray:
+    """The per-class pixel histograms a site sent with its generators (factory.match-intensity), checked
+    against its survey; UploadRejected otherwise."""
+    if INTENSITY_KEY not in content.array_records or list(content[INTENSITY_KEY]) != [INTENSITY_KEY]:
+        raise UploadRejected(f"factory.match-intensity is on but the upload has no '{INTENSITY_KEY}' histogram array")
+    array = content[INTENSITY_KEY][INTENSITY_KEY]
+    if array.dtype not in ("float64", "float32") or len(array.shape) != 3:
+        raise UploadRejected(f"the intensity histograms must be one 3-d float array, got {array.dtype} {array.shape}")
+    histograms = array.numpy().astype(np.float64)
+    try:
+        check_histograms(histograms, identity.label_counts, image_shape)
+    except ValueError as err:
+        raise UploadRejected(str(err)) from None
+    return histograms
 
 
 def site_expert(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
@@ -276,6 +297,8 @@ class FactoryFlow(RecordingMixin):
 
     def __init__(self, grid: Grid, recorder: RunRecorder, timeout: float):
         self.grid, self.timeout = grid, timeout
+        # The accepted sites' per-class real pixel histograms, summed (factory.match-intensity; else None).
+        self.real_histograms: np.ndarray | None = None
         self.attach(recorder)
 
     def exchange(self, server_round: int, messages: list[Message]) -> list[Message]:
@@ -323,17 +346,21 @@ class FactoryFlow(RecordingMixin):
             manifest = decode_manifest(reply.content)
             check_uploader(manifest, identity.site_id)  # an impostor is named as one before its weights are read
             states = decode_states(reply.content, max_bytes, [p.module_id for p in plan])
-            return validate_upload(
+            histograms = uploaded_histograms(reply.content, identity, image_shape) if cfg.factory.match_intensity else None
+            modules = validate_upload(
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
                 max_memorization=cfg.factory.max_memorization, max_epsilon=cfg.factory.max_epsilon,
             )  # fmt: skip
+            return modules, histograms
 
         messages = [
             Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
             for node in identities
         ]
         accepted, rejected = self.checked_replies(1, messages, identities, "upload", check)
-        modules = [m for _, _, checked in accepted for m in checked]
+        modules = [m for _, _, (checked, _) in accepted for m in checked]
+        histograms = [h for _, _, (_, h) in accepted if h is not None]
+        self.real_histograms = sum(histograms) if histograms else None
         site_metrics = [
             {"node": str(identity.node), **reported_metrics(reply), "site-id": identity.site_id} for identity, reply, _ in accepted
         ]
@@ -382,13 +409,16 @@ def test_metrics(model: torch.nn.Module, test: ImageDataset | None, device: torc
 
 
 def train_library_classifier(
-    cfg: RunConfig, library: Library, device: torch.device, run_dir: Path, checkpoints: dict | None = None
+    cfg: RunConfig, library: Library, device: torch.device, run_dir: Path, checkpoints: dict | None = None,
+    real_histograms: np.ndarray | None = None,
 ) -> tuple[torch.nn.Module, dict]:
-    """Synthesise the class-balanced set (stored, with its plan), write the sample grids, train the
-    classifier (`checkpoints`: see train_classifier)."""
+    """Synthesise the class-balanced set (its pixels matched to `real_histograms` when given; stored, with
+    its plan), write the sample grids, train the classifier (`checkpoints`: see train_classifier)."""
     synthesis, training = Elapsed(), Elapsed()
     with timed(synthesis):
         synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+        if real_histograms is not None:
+            synthetic = replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, real_histograms))
     save_synthetic(synthetic, run_dir / SYNTHETIC_FILE)
     save_class_grids(synthetic, run_dir / SAMPLES_DIR)
     with timed(training):
@@ -401,6 +431,7 @@ def train_library_classifier(
         **training.as_metrics("classifier"),
         synthetic_images=len(synthetic.labels),
         synthetic_per_class=np.bincount(synthetic.labels, minlength=library.num_classes).tolist(),
+        intensity_matched=real_histograms is not None,
     )
     return model, stats
 
@@ -468,7 +499,7 @@ def run_factory(
         raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
 
     checkpoints = {} if cfg.factory.site_validation else None
-    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints)
+    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints, flow.real_histograms)
     if checkpoints is not None:
         # Imported here: the validation transport builds on this module's wire format.
         from fedskew.strategies.factory_validation import validate_at_sites
