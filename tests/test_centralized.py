@@ -20,7 +20,7 @@ class RecordingRecorder:
     def __init__(self):
         self.rounds, self.checkpoints = {}, {}
 
-    def record_round(self, server_round, test, train=None, val=None):
+    def record_round(self, server_round, test, train=None, val=None, server_val=None):
         self.rounds[server_round] = test
 
     def save_checkpoint(self, state_dict, server_round=None):
