@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fedskew.data.site_folder import write_labelled_folder
-from fedskew.deploy import SuperLink, SuperNode, TlsFiles
+from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connected
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -59,19 +59,12 @@ def timed_run(out: Path, pki: Path, folders: list[Path], test: Path, cache: bool
                       pki / "keys" / f"site-{k}", env=THREADS)
             for k, d in enumerate(folders)
         ]  # fmt: skip
-        try:
-            for node in nodes:
-                node.start()
-            for node in nodes:
-                node.wait_connected()
+        with connected(nodes):
             run_id = link.submit({"method": "fedavg", "dataset": "npz:unused.npz", "mosaic-grid": 0, "labels": "auto",
                                   "partition": "iid", "num-server-rounds": rounds, "local-epochs": 1,
                                   "min-available-sites": SITES, "test-data": str(test),
                                   "results-dir": str(home / "results")})  # fmt: skip
             outcome = link.wait(run_id, timeout=1800)
-        finally:
-            for node in nodes:
-                node.stop()
     if not outcome.completed:
         raise RuntimeError(f"run {run_id} ({tag}) did not complete: {outcome.status}\n{outcome.output[-3000:]}")
     metrics = next((home / "results").rglob("metrics.jsonl"))

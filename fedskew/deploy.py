@@ -23,7 +23,8 @@ import ssl
 import string
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -362,3 +363,17 @@ class SuperNode:
     def kill(self) -> None:
         if self.process:
             self.process.kill()
+
+
+@contextmanager
+def connected(nodes: Sequence[SuperNode]) -> Iterator[Sequence[SuperNode]]:
+    """Start every SuperNode, wait until all are connected, and stop them all on the way out."""
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_connected()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()

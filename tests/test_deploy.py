@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import flwr
@@ -30,7 +29,7 @@ from fedskew.app_signing import AppIndex, publish_app
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.data.site_folder import load_test_set
-from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connection_toml, node_config_arg, offline_env
+from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connected, connection_toml, node_config_arg, offline_env
 from fedskew.launch import APP_DIR, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,22 +99,12 @@ def link(tmp_path_factory, pki, app_index):
         yield link
 
 
-@contextmanager
 def running_sites(link, pki, home, data_dirs):
-    nodes = [
+    return connected([
         SuperNode(link, home / f"node-{k}", {"data-dir": str(d), "site-id": k, "num-sites": len(data_dirs)},
                   pki / "keys" / f"site-{k}", env=THREADS, trusted_entities=pki / "app-key" / "trusted-entities.yaml")
         for k, d in enumerate(data_dirs)
-    ]  # fmt: skip
-    try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_connected()
-        yield nodes
-    finally:
-        for node in nodes:
-            node.stop()
+    ])  # fmt: skip
 
 
 def _only_run_dir(results_dir):
