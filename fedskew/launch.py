@@ -41,10 +41,20 @@ OFFLINE_ENV = {
 }
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now and never handed out before by this process: the OS may give the port it
+    just released to the next bind, and two components of one Ray node (or one SuperLink) given the same
+    port refuse to start."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _PORTS_HANDED_OUT:
+            _PORTS_HANDED_OUT.add(port)
+            return port
 
 
 def run_config_toml(run_config: dict[str, Any]) -> str:
@@ -251,7 +261,9 @@ class RayCluster:
         while time.monotonic() < deadline:
             for index, process in enumerate(self.processes):
                 if process.poll() is not None:
-                    raise RuntimeError(f"ray node {index} exited ({process.returncode}); see {self.temp_dir}/node{index}.log")
+                    log = (self.temp_dir / f"node{index}.log").read_text().strip().splitlines()
+                    raise RuntimeError(f"ray node {index} exited ({process.returncode}); the end of "
+                                       f"{self.temp_dir}/node{index}.log: {log[-1] if log else '(empty)'}")
             if len(self.alive_nodes()) >= count:
                 return
             time.sleep(1)

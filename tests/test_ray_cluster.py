@@ -5,7 +5,10 @@ to that cluster through RAY_ADDRESS. The run must complete and ClientApp work mu
 import json
 import re
 
-from fedskew.launch import RayCluster, SimulationSuperLink
+import socket
+
+from fedskew import launch
+from fedskew.launch import RayCluster, SimulationSuperLink, free_port
 
 # One round on two sites; each node holds one CPU, so each of the two ClientApp actors lives on its own node.
 TINY = {"method": "fednca", "num-server-rounds": 1, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5}
@@ -25,3 +28,17 @@ def test_a_fednca_simulation_on_a_two_node_ray_cluster_trains_sites_on_both_node
     trained = {(int(site), ip) for _pid, ip, site in SITE_LINE.findall(outcome.output)}
     assert {site for site, _ in trained} == {0, 1}, outcome.output[-4000:]
     assert {ip for _, ip in trained} == {"", "127.0.0.2"}, trained
+
+
+def test_free_port_never_hands_out_a_port_twice_even_when_the_os_offers_it_again(monkeypatch):
+    # The OS may give the port it just released to the next bind (a Ray node then refused to start: two of
+    # its components had the same port). A socket that always binds the same port stands in for that.
+    offered = iter([50001, 50001, 50001, 50002])
+
+    class Reused(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(offered))
+
+    monkeypatch.setattr(launch, "_PORTS_HANDED_OUT", set())
+    monkeypatch.setattr(launch.socket, "socket", Reused)
+    assert [free_port(), free_port()] == [50001, 50002]
