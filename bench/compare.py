@@ -19,6 +19,7 @@ import json
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import statistics
 import time
@@ -222,6 +223,12 @@ def collect(runs: dict[tuple[str, int], Path]):
     return results, per_class, class_names, multilabel
 
 
+def shell_quote(argument: str) -> str:
+    """`argument` as one shell word a reader can paste: in double quotes where nothing inside is special to
+    them (run-config strings hold single-quoted values), else POSIX single-quote escaping."""
+    return f'"{argument}"' if not set(argument) & set('"$`\\!') else shlex.quote(argument)
+
+
 def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str:
     """results.json / results.md / per_class.png from every completed run so far."""
     results, per_class, class_names, multilabel = collect(runs)
@@ -236,8 +243,8 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
             record["round_time_vs_fedavg"] = [statistics.mean(record["round_seconds"]) / fedavg_round]
     seeds_done = sorted({seed for _, seed in runs})
     lines = [
-        f"Command: `python -m bench.compare --methods {args.methods} --run-config \"{args.run_config}\" "
-        + "".join(f"--method-config '{s}' " for s in args.method_config)
+        f"Command: `python -m bench.compare --methods {args.methods} --run-config {shell_quote(args.run_config)} "
+        + "".join(f"--method-config {shell_quote(s)} " for s in args.method_config)
         + f"--seeds {args.seeds} "
         + (f"--variant-seeds {args.variant_seeds} " if args.variant_seeds else "")
         + f"--num-sites {args.num_sites} --out {args.out}`",
