@@ -834,7 +834,9 @@ def train_generator(
         torch.manual_seed(config.seed)
         net = build_generator(config, device).train()
         ema = PowerFunctionEMA(net, config.sigma_rel)
-        optimizer = torch.optim.Adam(net.parameters(), lr=config.ref_lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+        # The fused kernel updates every tensor in one pass (about a third of the per-tensor loop's time on the CPU).
+        optimizer = torch.optim.Adam(net.parameters(), lr=config.ref_lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                     fused=device.type in ("cpu", "cuda"))
         batches = _index_stream(images.shape[0], config.batch_size, rng) if private is None else private.batches(images.shape[0])
         total = config.total_steps
         losses: list[float] = []
