@@ -18,8 +18,11 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
+import resource
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -28,6 +31,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
 from fedskew.models import edm2
@@ -104,15 +108,54 @@ def unoptimised():
         yield
 
 
-def step_seconds(images: np.ndarray, config: GeneratorConfig, steps: int) -> tuple[list[float], list[float]]:
-    """(wall, CPU) seconds of each training step after the first, from the loop's own per-step callback.
-    CPU seconds of this process: with one torch thread they are the step's own work, whatever the load."""
-    stamps = []
-    train_generator(images, None, dataclasses.replace(config, total_images=steps * config.batch_size),
-                    progress=lambda *_: stamps.append((time.perf_counter(), time.process_time())),
-                    device=torch.device("cpu"))  # fmt: skip
+@contextmanager
+def compiled(cache_dir: str):
+    """Context in which the training loop runs the network through `torch.compile` (default inductor
+    backend), compiled at the first step of every training run, with its compile cache in `cache_dir`
+    (empty at the first run: a cold compile; later runs reuse it). The compile workers run in this
+    process (compile_threads 1) so that their CPU time counts."""
+    cache = {}
+    loss = edm2.edm2_loss
+
+    def compiled_loss(net, *args):
+        if net not in cache:
+            cache[net] = torch.compile(net)
+        return loss(cache[net], *args)
+
+    with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}), \
+            mock.patch.object(torch._inductor.config, "compile_threads", 1), \
+            mock.patch.object(edm2, "edm2_loss", compiled_loss):  # fmt: skip
+        yield
+
+
+def clocks() -> tuple[float, float]:
+    """(wall, CPU) seconds; CPU of this process and of its finished child processes (the compiler's)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), time.process_time() + children.ru_utime + children.ru_stime
+
+
+def per_step(stamps: list[tuple[float, float]]) -> Timings:
+    """The first step's (wall, CPU) seconds, set-up included, and those of every later step, from
+    (wall, CPU) stamps taken before the run and after every step."""
     wall, cpu = np.diff(np.array(stamps), axis=0).T
-    return list(wall), list(cpu)
+    return Timings(list(wall[1:]), list(cpu[1:]), wall[0], cpu[0])
+
+
+@dataclasses.dataclass
+class Timings:
+    wall: list[float]
+    cpu: list[float]
+    first_wall: float
+    first_cpu: float
+
+
+def step_seconds(images: np.ndarray, config: GeneratorConfig, steps: int) -> Timings:
+    """Step times of fedskew's training loop, from its own per-step callback. With one torch thread, a
+    step's CPU seconds are its own work, whatever the load."""
+    stamps = [clocks()]
+    train_generator(images, None, dataclasses.replace(config, total_images=steps * config.batch_size),
+                    progress=lambda *_: stamps.append(clocks()), device=torch.device("cpu"))  # fmt: skip
+    return per_step(stamps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +218,8 @@ def max_output_difference(reference: Reference, config: GeneratorConfig) -> floa
     return (outputs[0] - outputs[1]).abs().max().item()
 
 
-def reference_step_seconds(reference: Reference, images: np.ndarray, config: GeneratorConfig, steps: int) -> tuple[list[float], list[float]]:
-    """(wall, CPU) seconds of each step after the first of the reference's training iteration, as its training
+def reference_step_seconds(reference: Reference, images: np.ndarray, config: GeneratorConfig, steps: int) -> Timings:
+    """Step times of the reference's training iteration, as its training
     loop runs it, on fedskew's initial weights and images: loss (its EDM2Loss, summed over elements and
     divided by the batch), backward, its learning-rate schedule, NaN/Inf gradients zeroed, Adam, its
     power-function EMA at fedskew's one EMA width. Its per-step seeding, statistics and data loader are left out
@@ -188,7 +231,7 @@ def reference_step_seconds(reference: Reference, images: np.ndarray, config: Gen
     ema = reference.phema.PowerFunctionEMA(net, stds=[config.sigma_rel])
     data = torch.from_numpy(images) * 2 - 1
     rng = np.random.default_rng(config.seed)
-    stamps = []
+    stamps = [clocks()]
     for step in range(steps):
         images_seen = step * config.batch_size
         batch = data[torch.from_numpy(rng.permutation(len(data))[: config.batch_size])]
@@ -207,9 +250,8 @@ def reference_step_seconds(reference: Reference, images: np.ndarray, config: Gen
         optimizer.step()
         ema.update(cur_nimg=images_seen + config.batch_size, batch_size=config.batch_size)
         batch_loss.item()
-        stamps.append((time.perf_counter(), time.process_time()))
-    wall, cpu = np.diff(np.array(stamps), axis=0).T
-    return list(wall), list(cpu)
+        stamps.append(clocks())
+    return per_step(stamps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-preset", type=int, metavar="PX",
                         help="time the CPU preset for PX-pixel images instead of the 16 px comparison config")
     parser.add_argument("--reference-dir", type=Path, metavar="PATH",
-                        help="a checkout of github.com/NVlabs/edm2: adds its training step as a third side")
+                        help="a checkout of github.com/NVlabs/edm2: adds its training step as a side")
+    parser.add_argument("--compile", action="store_true",
+                        help="adds fedskew's step with the network compiled by torch.compile as a side")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.repeats < 1:
         raise SystemExit("--steps must be >= 2 and --repeats >= 1")
@@ -237,24 +281,27 @@ def main(argv: list[str] | None = None) -> None:
         return side
 
     sides = {"un-optimised": fedskew_side(unoptimised), "fedskew": fedskew_side(nullcontext)}
+    if args.compile:
+        compile_cache = tempfile.TemporaryDirectory(prefix="edm2_speed_")  # removed when the script ends
+        sides["fedskew compiled"] = fedskew_side(functools.partial(compiled, compile_cache.name))
     if args.reference_dir is not None:
         reference = load_reference(args.reference_dir)
         print(f"reference vs fedskew denoiser on shared weights: max |difference| {max_output_difference(reference, config):.2e}")
         sides["reference"] = functools.partial(reference_step_seconds, reference, images, config)
-    times = {name: ([], []) for name in sides}
+    runs = {name: [] for name in sides}
     for _ in range(args.repeats):
         for name, side in sides.items():
-            wall, cpu = side(args.steps)
-            times[name][0].extend(wall)
-            times[name][1].extend(cpu)
-    baselines = ["un-optimised"] + (["reference"] if "reference" in sides else [])
-    for index, kind in enumerate(("wall", "CPU")):
-        medians = {name: statistics.median(values[index]) for name, values in times.items()}
+            runs[name].append(side(args.steps))
+    for name, timings in runs.items():
+        first = ", ".join(f"{t.first_cpu:.1f}/{t.first_wall:.1f}" for t in timings)
+        print(f"{name}: first step of each burst (set-up{' and compile' if 'compiled' in name else ''}), CPU/wall s: {first}")
+    for kind in ("wall", "cpu"):
+        medians = {name: statistics.median(t for run in timings for t in getattr(run, kind)) for name, timings in runs.items()}
         for name, value in medians.items():
-            print(f"{name}: {1000 * value:.1f} ms {kind} per step (median of {len(times[name][index])})")
-        for baseline in baselines:
-            print(f"ratio fedskew / {baseline}, {kind} time: {medians['fedskew'] / medians[baseline]:.3f}")
-
+            print(f"{name}: {1000 * value:.1f} ms {kind.replace('cpu', 'CPU')} per step (median of {args.repeats * (args.steps - 1)})")
+        for side in [name for name in sides if name != "un-optimised" and name != "reference"]:
+            for baseline in [name for name in ("un-optimised", "reference") if name in sides]:
+                print(f"ratio {side} / {baseline}, {kind.replace('cpu', 'CPU')} time: {medians[side] / medians[baseline]:.3f}")
 
 if __name__ == "__main__":
     main()

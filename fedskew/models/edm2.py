@@ -474,8 +474,8 @@ class Block(nn.Module):
         if self.num_heads:
             main_weight, branch_weight = mp_sum_weights(self.attn_balance)
             x = torch.add(self._attention(x, branch_weight), x, alpha=main_weight)
-        # hardtanh is clamp with a one-pass backward (clamp's takes four); they differ only in the gradient
-        # at exactly +-clip_act.
+        # hardtanh is clamp with a one-kernel backward (clamp's compares twice, then selects); the two
+        # differ only in the gradient at exactly +-clip_act.
         return F.hardtanh(x, -self.clip_act, self.clip_act)
 
     def _attention(self, x: torch.Tensor, gain: float) -> torch.Tensor:
