@@ -1,14 +1,19 @@
-"""EDM2 training-step time: fedskew's generator against its un-optimised path, interleaved in one process.
+"""EDM2 training-step time: fedskew's generator against its un-optimised path and, optionally, the NVlabs
+reference implementation and a torch.compile'd network, interleaved in one process.
 
     python -m bench.edm2_speed --steps 6 --repeats 5
+    python -m bench.edm2_speed --reference-dir ../edm2     # a checkout of github.com/NVlabs/edm2
+    python -m bench.edm2_speed --cpu-preset 28 --compile
 
-Both sides run the real training loop (`train_generator`: loss, backward, Adam, EMA) on the same config,
-weights and data; they differ only in the attention kernel and the activations' memory format. The
-un-optimised path is EDM2's attention written as two einsums and a softmax (kept here, as the baseline)
-on channels-first activations. The sides alternate in short bursts, so load from other processes on a
-shared machine hits both alike; each side's figure is the median step time over all
-its bursts, the first step of every burst (warm-up) excluded. Prints both times and their ratio, in CPU
-seconds (the step's own work with one thread, robust to other load) and in wall seconds.
+fedskew's side runs the real training loop (`train_generator`: loss, backward, Adam, EMA). The
+un-optimised side runs the same loop with EDM2's block as published (kept here as the baseline) on
+channels-first activations. The reference side runs the reference's own network, loss, schedule, Adam
+and EMA, imported from the user's checkout (never shipped with fedskew: its licence is non-commercial),
+on fedskew's initial weights. All sides use the same config, weights and data and alternate in short
+bursts, so load from other processes on a shared machine hits them alike; each side's figure is the
+median step time over all its bursts, the first step of every burst (warm-up, compile) excluded and
+printed on its own. Prints the times and their ratios, in CPU seconds (the step's own work with one
+thread, robust to other load) and in wall seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from unittest import mock
 
 import numpy as np
 import torch
-import torch._inductor.config
 import torch.nn.functional as F
 
 from fedskew.models import edm2
@@ -111,9 +115,11 @@ def unoptimised():
 @contextmanager
 def compiled(cache_dir: str):
     """Context in which the training loop runs the network through `torch.compile` (default inductor
-    backend), compiled at the first step of every training run, with its compile cache in `cache_dir`
-    (empty at the first run: a cold compile; later runs reuse it). The compile workers run in this
-    process (compile_threads 1) so that their CPU time counts."""
+    backend), compiled at its first step, with the compile cache in `cache_dir` (empty at the first run:
+    a cold compile; later runs of the same config reuse the compiled code). The compile workers run in
+    this process (compile_threads 1) so that their CPU time counts."""
+    import torch._inductor.config  # only here: importing the compiler takes seconds
+
     cache = {}
     loss = edm2.edm2_loss
 
@@ -134,19 +140,21 @@ def clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time() + children.ru_utime + children.ru_stime
 
 
+@dataclasses.dataclass
+class Timings:
+    """Per-step (wall, CPU) seconds of one burst, and its first step's (set-up, warm-up, compile)."""
+
+    wall: list[float]
+    cpu: list[float]
+    first_wall: float
+    first_cpu: float
+
+
 def per_step(stamps: list[tuple[float, float]]) -> Timings:
     """The first step's (wall, CPU) seconds, set-up included, and those of every later step, from
     (wall, CPU) stamps taken before the run and after every step."""
     wall, cpu = np.diff(np.array(stamps), axis=0).T
     return Timings(list(wall[1:]), list(cpu[1:]), wall[0], cpu[0])
-
-
-@dataclasses.dataclass
-class Timings:
-    wall: list[float]
-    cpu: list[float]
-    first_wall: float
-    first_cpu: float
 
 
 def step_seconds(images: np.ndarray, config: GeneratorConfig, steps: int) -> Timings:
