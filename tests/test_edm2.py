@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import json
 import math
@@ -484,11 +485,15 @@ def test_bf16_autocast_training_tracks_fp32_and_auto_is_fp32_on_cpu():
 # ---- optimised path -------------------------------------------------------------------------
 
 
-def test_fused_channels_last_path_matches_the_unoptimised_one_on_shared_weights():
-    """The fused attention kernel and channels-last activations change only the order of float32 sums.
-    Bound (Higham): a length-n dot product is off by at most gamma_n = n u / (1 - n u) of |x|.|w|, u = 2^-24;
-    with magnitude-preserving layers (unit-RMS activations, unit-norm weight rows) that is an error of
-    gamma_n per layer, and at most one per MPConv layer along any path: depth x gamma_n of the output scale."""
+def test_optimised_path_matches_the_published_block_on_shared_weights():
+    """fedskew's block (fused attention, channels-last, constants folded into the convolutions' gains,
+    reciprocal-multiply normalisation, hardtanh clip) against EDM2's block as published on channels-first
+    activations (bench.edm2_speed.unoptimised): they differ only in the order and rounding of float32
+    operations. Bound (Higham): a length-n dot product is off by at most gamma_n = n u / (1 - n u) of
+    |x|.|w|, u = 2^-24; with magnitude-preserving layers (unit-RMS activations, unit-norm weight rows)
+    that is an error of gamma_n per layer, and at most one per MPConv layer along any path: depth x
+    gamma_n of the output scale. The folding and the reciprocal add a few u per layer, far inside gamma_n.
+    Checked in eval mode and in training mode (forced weight normalisation in the forward pass)."""
     from bench.edm2_speed import unoptimised
 
     # Two heads at 4 px (128 channels) so the head split is exercised too.
@@ -499,19 +504,20 @@ def test_fused_channels_last_path_matches_the_unoptimised_one_on_shared_weights(
             gain.fill_(1.0)
     x = torch.randn(8, 1, 8, 8, generator=seeded(1))
     sigma = torch.logspace(-2, 1.5, 8)
-    with torch.no_grad():
-        fast = net(x, sigma)
-        with unoptimised():
-            reference = net(x, sigma)
     convs = [m for m in net.unet.modules() if isinstance(m, MPConv)]
     u = 2.0**-24
     n = max(m.weight[0].numel() for m in convs)
-    tolerance = len(convs) * n * u / (1 - n * u) * max(1.0, reference.abs().max().item())
-    assert (fast - reference).abs().max().item() <= tolerance
+    for training in (False, True):
+        fast_net, published_net = copy.deepcopy(net).train(training), copy.deepcopy(net).train(training)
+        with torch.no_grad():
+            fast = fast_net(x, sigma)
+            with unoptimised():
+                reference = published_net(x, sigma)
+        tolerance = len(convs) * n * u / (1 - n * u) * max(1.0, reference.abs().max().item())
+        assert (fast - reference).abs().max().item() <= tolerance
 
     # A wrong kernel must fail the bound: keys not normalised (plain dot-product attention).
-    with torch.no_grad(), unoptimised(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr("fedskew.models.edm2.normalize", lambda qkv, dim=None: qkv.clone() if dim == 2 else normalize(qkv, dim))
-        patch.setattr("bench.edm2_speed.normalize", lambda qkv, dim=None: qkv if dim == 2 else normalize(qkv, dim))
-        wrong = net(x, sigma)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr("fedskew.models.edm2.normalize", lambda qkv, dim=None: qkv.clone() if dim == 4 else normalize(qkv, dim))
+        wrong = copy.deepcopy(net).train()(x, sigma)
     assert (wrong - reference).abs().max().item() > tolerance
