@@ -53,3 +53,29 @@ def test_a_server_validation_set_must_hold_the_task_and_chooses_the_centralised_
                                   tuple(str(k) for k in range(5)))  # fmt: skip
     with pytest.raises(ValueError, match="val-data = .* holds single-label data with 5 classes"):
         load_server_validation_set(cfg.model_copy(update={"val_data": str(other)}), task)
+
+
+def test_the_threshold_is_chosen_on_val_data_when_the_run_has_it_else_on_the_sites_counts():
+    from fedskew.metrics import THRESHOLD_GRID
+    from fedskew.server_tasks import decision_threshold
+
+    def exact_at(threshold):  # one class predicted exactly at `threshold` only, missed everywhere else
+        return np.array([[[2, 0, 0]] if t == threshold else [[0, 0, 2]] for t in THRESHOLD_GRID])
+
+    sites, server = exact_at(0.2), exact_at(0.7)
+    assert decision_threshold("validation", sites, server, THRESHOLD_GRID) == (0.7, "the server's validation split (val-data)")
+    assert decision_threshold("validation", sites, None, THRESHOLD_GRID)[0] == 0.2
+    assert decision_threshold(0.35, sites, server, (0.35, 0.5)) == (0.35, "run-config threshold (fixed)")
+    assert decision_threshold("validation", None, None, THRESHOLD_GRID)[0] == 0.5
+
+
+def test_a_sites_malformed_validation_counts_are_refused_with_the_reason_and_the_others_summed():
+    from fedskew.strategies.recording import summed_counts
+
+    good = np.arange(12).tolist()
+    total, refused = summed_counts({"1": good, "2": good, "3": good[:-1], "4": [-1] * 12, "5": None, "6": [0.5] * 12}, (2, 2, 3))
+    np.testing.assert_array_equal(total, 2 * np.arange(12).reshape(2, 2, 3))
+    assert sorted(refused) == ["3", "4", "5", "6"]
+    assert "must be 12 non-negative integers (thresholds x classes x [tp, fp, fn] = 2 x 2 x 3); found 11 values" in refused["3"]
+    assert "not all non-negative integers" in refused["4"] and "found none" in refused["5"]
+    assert summed_counts({"3": good[:-1]}, (2, 2, 3))[0] is None  # no usable counts: no validation this round
