@@ -188,6 +188,8 @@ class RunRecorder:
         if "train_loss" in entry["train"]:
             parts.append(f"train loss {entry['train']['train_loss']:.4f}")
         parts.append(" ".join(f"{k} {entry['test'][k]:.4f}" for k in HEADLINE[self.multilabel] if k in entry["test"]))
+        if "threshold" in entry:
+            parts.append(f"threshold {entry['threshold']:.2f}")
         parts.append(f"{entry['round_seconds']:.1f}s")
         return " | ".join(parts)
 
