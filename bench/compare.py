@@ -43,7 +43,9 @@ from fedskew.report import write_report as write_html_report  # noqa: E402
 from fedskew.training import evaluate, pick_device  # noqa: E402
 
 SCALARS = {
-    True: ("f1_macro", "f1_micro", "auc_macro", "auc_micro", "map"),
+    # f1_* at the round's decision threshold (chosen on validation unless run-config threshold fixes it);
+    # f1_macro_at_0.5 at the fixed 0.5 of runs before it was chosen (n/a for runs that predate it).
+    True: ("f1_macro", "f1_macro_at_0.5", "f1_micro", "auc_macro", "auc_micro", "map"),
     False: ("accuracy", "balanced_accuracy", "auroc_macro"),
 }
 PER_CLASS = {True: "per_class_f1", False: "per_class_recall"}
@@ -143,6 +145,7 @@ DISPLAY = {
     "round_time_vs_fedavg": ("round_time_vs_fedavg", 1, 2),
     "epsilon": ("epsilon", 1, 2),
     "memorized_share": ("memorized_share", 1, 3),
+    "threshold": ("threshold", 1, 2),
 }
 
 
@@ -211,8 +214,10 @@ def collect(runs: dict[tuple[str, int], Path]):
         class_names = json.loads((path / "partition.json").read_text())["class-names"]
         record = results.setdefault(name, {})
         for key in SCALARS[multilabel]:
-            record.setdefault(key, []).append(summary["final"][key])
-            record.setdefault(f"best_{key}", []).append(summary["best"][key])
+            record.setdefault(key, []).append(summary["final"].get(key))
+            record.setdefault(f"best_{key}", []).append(summary["best"].get(key))
+        if multilabel:  # the final round's decision threshold (chosen on validation for that round)
+            record.setdefault("threshold", []).append(rounds[-1].get("threshold"))
         record.setdefault("wall_seconds", []).append(summary["wall_seconds"])
         record.setdefault("round_seconds", []).append(statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0))
         record.setdefault("bytes_total", []).append(summary["bytes"]["sent_total"] + summary["bytes"]["received_total"])
@@ -232,7 +237,7 @@ def shell_quote(argument: str) -> str:
 def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str:
     """results.json / results.md / per_class.png from every completed run so far."""
     results, per_class, class_names, multilabel = collect(runs)
-    keys = list(SCALARS[multilabel]) + ["wall_seconds", "round_seconds", "bytes_total"]
+    keys = list(SCALARS[multilabel]) + (["threshold"] if multilabel else []) + ["wall_seconds", "round_seconds", "bytes_total"]
     for key in ("epsilon", "memorized_share"):
         if any(v is not None for record in results.values() for v in record[key]):
             keys.append(key)

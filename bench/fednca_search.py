@@ -47,7 +47,7 @@ from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.models import backbones
 from fedskew.models.build import build_model, server_etf
-from fedskew.metrics import multilabel_metrics
+from fedskew.metrics import THRESHOLD_GRID, choose_threshold, multilabel_metrics, threshold_counts
 from fedskew.training import evaluate, make_loader, predict, train_local
 
 NUM_SITES = 10
@@ -177,9 +177,8 @@ def f1_at(labels: np.ndarray, probs: np.ndarray, threshold: float) -> float:
 
 
 def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
-    """The one decision threshold (shared by all classes) with the best macro-F1 on the validation split."""
-    grid = np.round(np.arange(0.05, 0.96, 0.05), 2)
-    return float(grid[int(np.argmax([f1_at(labels, probs, t) for t in grid]))])
+    """The one decision threshold (shared by all classes) a Flower run chooses on these validation predictions."""
+    return choose_threshold(threshold_counts(labels, probs, THRESHOLD_GRID), THRESHOLD_GRID)
 
 
 def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:

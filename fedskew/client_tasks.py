@@ -25,7 +25,8 @@ from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
 from fedskew.data.sites import SiteData, load_partition, simulated_site
 from fedskew.models.build import build_model
 from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
-from fedskew.training import classification_loss, evaluate, make_loader, pick_device, sgd, train_local
+from fedskew.metrics import counted_thresholds, threshold_counts
+from fedskew.training import EVAL_BATCH_SIZE, classification_loss, evaluate, make_loader, pick_device, predict, sgd, train_local
 
 
 def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
@@ -262,14 +263,28 @@ def train_site(
     return {**{k: v.cpu() for k, v in model.state_dict().items()}, **extra}, metrics
 
 
-# Metrics defined on any non-empty split (AUC is not: a small site split can lack a label), so
-# every site reports the same keys, as Flower's averaging requires.
-VAL_METRICS = {True: ("f1_macro", "f1_micro"), False: ("accuracy", "balanced_accuracy")}
+# What a multi-label validation report carries: per-class tp/fp/fn counts at every counted threshold.
+VAL_COUNTS_KEY = "val-threshold-counts"
+
+
+def validation_report(
+    model: nn.Module, images: np.ndarray, labels: np.ndarray, *, device: torch.device, threshold: str | float
+) -> dict[str, float | list[int]]:
+    """A model's validation evidence on (images, labels), the same wherever the images are (a site's split,
+    the centralised bound's pooled split, the server's val-data). Single-label: accuracy and balanced
+    accuracy (defined on any non-empty split, so every site reports the same keys, as Flower's averaging
+    requires). Multi-label: only the flattened per-class true/false-positive and false-negative counts at
+    every threshold of counted_thresholds(run-config `threshold`); the server sums them over sites, chooses
+    the decision threshold and derives F1 from the sums (AUC would not be defined on a site lacking a label)."""
+    if labels.ndim == 2:
+        y_true, probs = predict(model, make_loader(images, labels, EVAL_BATCH_SIZE, shuffle=False), device, multilabel=True)
+        return {VAL_COUNTS_KEY: threshold_counts(y_true, probs, counted_thresholds(threshold)).ravel().tolist()}
+    metrics = evaluate(model, images, labels, device=device)
+    return {f"val_{k}": float(metrics[k]) for k in ("accuracy", "balanced_accuracy")}
 
 
 def evaluate_site(cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], etf: np.ndarray | None = None) -> dict:
-    """Global model on the site's local validation split."""
+    """Global model on the site's local validation split: its validation report and example count."""
     model = _site_model(cfg, site, state, etf)
-    metrics = evaluate(model, site.val_images, site.val_labels, device=pick_device(cfg.device))
-    scalars = {f"val_{k}": float(metrics[k]) for k in VAL_METRICS[site.multilabel]}
-    return {**scalars, "num-examples": len(site.val_labels), "unit-weight": 1}
+    report = validation_report(model, site.val_images, site.val_labels, device=pick_device(cfg.device), threshold=cfg.threshold)
+    return {**report, "num-examples": len(site.val_labels), "unit-weight": 1}

@@ -342,6 +342,11 @@ class RunConfig(_Section):
         "same partition and ETF (settings that shape the data or model must match)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device (auto = CUDA when present).")
+    threshold: str | float = Field(
+        "validation", description="Multi-label decision threshold shared by all classes: `validation` = chosen every "
+        "round on validation data (the sites' summed per-threshold counts, or val-data when given; grid 0.05-0.95, "
+        "best macro-F1, ties to the nearest 0.5), never on the test split; or a fixed number in (0, 1), e.g. 0.5."
+    )
     centralized_model: Literal["auto", "fednca", "linear"] = Field(
         "auto",
         description="Model the `centralized` bound trains: `fednca` (FedNCA-ML's ETF model, losses and AdamW "
@@ -363,6 +368,21 @@ class RunConfig(_Section):
             "medmnist:chestmnist), npz:<path to a MedMNIST-layout .npz> or a generated set: "
             + ", ".join(GENERATED_DATASETS)
         )
+
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _validation_or_probability(cls, value: Any) -> str | float:
+        if value == "validation":
+            return value
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and 0 < number < 1:
+            return float(number)
+        raise _field_error("threshold", value, "'validation' (chosen on validation data) or a number in (0, 1)")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RunConfig:

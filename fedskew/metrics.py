@@ -2,6 +2,12 @@
 
 Classes absent from the evaluated labels have no defined AUC; they are left out of the
 macro averages (and reported as NaN per class) instead of crashing or counting as 0.5.
+
+Multi-label decisions use one threshold shared by all classes. With run-config `threshold =
+"validation"` it is chosen each round on validation data from per-class true-positive /
+false-positive / false-negative counts at every threshold of THRESHOLD_GRID: each site counts on
+its own validation split (only the counts leave it), the server sums the counts and takes the
+threshold with the best macro-F1 of the sums, which is the macro-F1 of the pooled predictions.
 """
 
 from __future__ import annotations
@@ -43,8 +49,68 @@ def single_label_metrics(y_true: np.ndarray, probs: np.ndarray) -> dict[str, flo
     }
 
 
-def multilabel_metrics(y_true: np.ndarray, probs: np.ndarray, threshold: float = 0.5) -> dict[str, float | list[float]]:
-    """Macro/micro AUC, macro/micro F1 at `threshold`, mAP, per-class AUC and F1.
+DEFAULT_THRESHOLD = 0.5  # a sigmoid's own decision point; the F1 of earlier runs
+THRESHOLD_GRID = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.10, ..., 0.95
+TIE_TOLERANCE = 1e-12  # macro-F1 values closer than this are equal (the same counts give the same float)
+
+
+def counted_thresholds(setting: str | float) -> tuple[float, ...]:
+    """The thresholds validation counts are taken at for run-config `threshold`: the grid to choose from
+    ("validation"), else the fixed threshold and 0.5 (for the F1 at 0.5 that old runs report)."""
+    if setting == "validation":
+        return THRESHOLD_GRID
+    return tuple(sorted({float(setting), DEFAULT_THRESHOLD}))
+
+
+def threshold_counts(y_true: np.ndarray, probs: np.ndarray, thresholds: tuple[float, ...]) -> np.ndarray:
+    """(T, K, 3) int64: per threshold and class, the true positives, false positives and false negatives of
+    predicting every label whose probability is > the threshold. Sums of these over sites are the counts of
+    the sites' pooled predictions."""
+    positive = np.asarray(y_true).astype(bool)[None]
+    predicted = np.asarray(probs)[None] > np.asarray(thresholds, dtype=np.float64)[:, None, None]
+    tp = (predicted & positive).sum(axis=1)
+    fp = (predicted & ~positive).sum(axis=1)
+    fn = (~predicted & positive).sum(axis=1)
+    return np.stack([tp, fp, fn], axis=-1).astype(np.int64)
+
+
+def f1_from_counts(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(macro-F1, micro-F1) over the last two axes of (..., K, 3) counts. A class with no positive and no
+    prediction scores 0, as scikit-learn's f1_score(zero_division=0) that multilabel_metrics uses."""
+    counts = np.asarray(counts, dtype=np.float64)
+    tp, fp, fn = counts[..., 0], counts[..., 1], counts[..., 2]
+
+    def f1(tp, fp, fn):
+        denominator = 2 * tp + fp + fn
+        return np.divide(2 * tp, denominator, out=np.zeros_like(denominator), where=denominator > 0)
+
+    return f1(tp, fp, fn).mean(axis=-1), f1(tp.sum(-1), fp.sum(-1), fn.sum(-1))
+
+
+def choose_threshold(counts: np.ndarray, thresholds: tuple[float, ...]) -> float:
+    """The threshold whose counts give the best macro-F1. Equally good thresholds go to the one nearest
+    0.5 (the lower of two equally near): validation moves the decision away from the sigmoid's own
+    point only on evidence, and a model that separates nothing (the same F1 everywhere) keeps 0.5."""
+    macro, _ = f1_from_counts(counts)
+    if len(macro) != len(thresholds):
+        raise ValueError(f"counts hold {len(macro)} thresholds, expected {len(thresholds)}")
+    best = macro.max()
+    tied = [t for t, score in zip(thresholds, macro) if score >= best - TIE_TOLERANCE]
+    return float(min(tied, key=lambda t: (abs(t - DEFAULT_THRESHOLD), t)))
+
+
+def counted_f1(counts: np.ndarray, thresholds: tuple[float, ...], threshold: float) -> dict[str, float]:
+    """Macro/micro F1 at `threshold` and macro F1 at 0.5 from counts taken at `thresholds` (both must be among them)."""
+    macro, micro = f1_from_counts(counts)
+    at = {t: k for k, t in enumerate(thresholds)}
+    return {"f1_macro": float(macro[at[threshold]]), "f1_micro": float(micro[at[threshold]]),
+            "f1_macro_at_0.5": float(macro[at[DEFAULT_THRESHOLD]])}  # fmt: skip
+
+
+def multilabel_metrics(
+    y_true: np.ndarray, probs: np.ndarray, threshold: float = DEFAULT_THRESHOLD
+) -> dict[str, float | list[float]]:
+    """Macro/micro AUC, macro/micro F1 at `threshold` (and at 0.5), mAP, per-class AUC and F1.
 
     y_true: (N, K) multi-hot; probs: (N, K) per-label probabilities.
     """
@@ -58,6 +124,8 @@ def multilabel_metrics(y_true: np.ndarray, probs: np.ndarray, threshold: float =
         "auc_micro": float(roc_auc_score(y_true.ravel(), probs.ravel())),
         "f1_macro": float(per_class_f1.mean()),
         "f1_micro": float(f1_score(y_true, pred, average="micro", zero_division=0)),
+        # The fixed 0.5 of runs before the threshold was chosen on validation, so their numbers compare.
+        "f1_macro_at_0.5": float(f1_score(y_true, (probs > DEFAULT_THRESHOLD).astype(np.int64), average="macro", zero_division=0)),
         "map": _nanmean(per_class_ap),
         # MedMNIST's multi-label ACC (medmnist.evaluator.getACC): per-label accuracy at the threshold,
         # averaged over labels, so numbers compare with MedMNIST's ChestMNIST benchmarks.

@@ -25,13 +25,12 @@ from fedskew.data.site_folder import (
 )
 from fedskew.data.sources import load_npz, resize_images
 from fedskew.metrics import multilabel_metrics, single_label_metrics
-from fedskew.models.model_file import MULTILABEL_THRESHOLD, ModelCard, load_model_file
+from fedskew.models.model_file import ModelCard, load_model_file
 from fedskew.results import CHECKPOINT, SELECTED_MODEL
-from fedskew.training import make_loader, pick_device
+from fedskew.training import EVAL_BATCH_SIZE, make_loader, pick_device
 from fedskew.training import predict as predict_probabilities
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-EVAL_BATCH_SIZE = 256  # the batch size of fedskew.training.evaluate: the same numbers as the run's metrics
 
 
 @dataclass(frozen=True)
@@ -102,15 +101,16 @@ def predict(model_or_run: str | Path, input_path: str | Path, out: str | Path, d
     write_predictions(Path(out), inputs.names, probs, card)
     report = {"rows": len(probs), "model": str(path)}
     if inputs.labels is not None:
-        score = multilabel_metrics if card.multilabel else single_label_metrics
-        report["metrics"] = {k: v for k, v in score(inputs.labels, probs).items() if not isinstance(v, list)}
+        # At the model's own decision threshold: the numbers its run reported for that round.
+        scores = multilabel_metrics(inputs.labels, probs, card.threshold) if card.multilabel else single_label_metrics(inputs.labels, probs)
+        report["metrics"] = {k: v for k, v in scores.items() if not isinstance(v, list)}
     return report
 
 
 def predicted_labels(probs: np.ndarray, card: ModelCard) -> list[str]:
     names = np.array(card.class_names)
     if card.multilabel:
-        return ["|".join(names[row > MULTILABEL_THRESHOLD]) for row in probs]
+        return ["|".join(names[row > card.threshold]) for row in probs]
     return list(names[probs.argmax(axis=1)])
 
 

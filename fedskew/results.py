@@ -118,7 +118,7 @@ class RunRecorder:
     model_card: ModelCard | None = None
     etf: torch.Tensor | None = None
     _round_start: float = field(default_factory=time.perf_counter)
-    _saved: tuple[int, dict[str, torch.Tensor]] | None = None  # (round, weights) of the latest checkpoint
+    _saved: tuple[int, dict[str, torch.Tensor], float | None] | None = None  # (round, weights, threshold) of the latest checkpoint
     _selected_round: int | None = None
 
     @classmethod
@@ -145,8 +145,10 @@ class RunRecorder:
         train: dict[str, Any] | None = None,
         val: dict[str, Any] | None = None,
         server_val: dict[str, Any] | None = None,
+        threshold: float | None = None,
     ) -> dict[str, Any]:
-        """One round's entry; `server_val` (the server's val-data metrics, when given) chooses the best round."""
+        """One round's entry; `server_val` (the server's val-data metrics, when given) chooses the best round;
+        `threshold` (multi-label) is the decision threshold the round's F1 and accuracy are taken at."""
         now = time.perf_counter()
         entry = {
             "round": server_round,
@@ -158,6 +160,8 @@ class RunRecorder:
         }
         if server_val is not None:
             entry["server_val"] = server_val
+        if threshold is not None:
+            entry["threshold"] = threshold
         if "privacy" in self.extra:  # differential privacy: the epsilon spent up to this round
             entry["privacy"] = {k: self.extra["privacy"][k] for k in ("epsilon", "delta", "mode")}
         self._round_start = now
@@ -184,6 +188,8 @@ class RunRecorder:
         if "train_loss" in entry["train"]:
             parts.append(f"train loss {entry['train']['train_loss']:.4f}")
         parts.append(" ".join(f"{k} {entry['test'][k]:.4f}" for k in HEADLINE[self.multilabel] if k in entry["test"]))
+        if "threshold" in entry:
+            parts.append(f"threshold {entry['threshold']:.2f}")
         parts.append(f"{entry['round_seconds']:.1f}s")
         return " | ".join(parts)
 
@@ -225,6 +231,8 @@ class RunRecorder:
             "best_round": best["round"] if best else None,
             "best": best["test"] if best else None,
             "selected_by": selected_by,
+            # Multi-label: the decision threshold of the selected round (the one its model file predicts with).
+            **({"threshold": best["threshold"]} if best and "threshold" in best else {}),
             "bytes": {
                 "sent_total": sum(self.bytes_sent.values()),
                 "received_total": sum(self.bytes_received.values()),
@@ -238,28 +246,32 @@ class RunRecorder:
 
     # --- artefacts -------------------------------------------------------------------------
     def save_checkpoint(
-        self, state_dict: dict[str, torch.Tensor], server_round: int | None = None, name: str = CHECKPOINT
-    ) -> Path:
+        self, state_dict: dict[str, torch.Tensor], server_round: int | None = None, name: str = CHECKPOINT,
+        threshold: float | None = None,
+    ) -> Path:  # fmt: skip
         """The global model, written atomically (a crash never leaves half a file) as a self-contained
-        model file once `model_card` is set; with the round it completes, also the marker `resume-from`
-        continues after. The best-validation round's model is kept as SELECTED_MODEL as well."""
+        model file once `model_card` is set, with the round's multi-label decision `threshold` (None:
+        the card's own); with the round it completes, also the marker `resume-from` continues after.
+        The best-validation round's model is kept as SELECTED_MODEL as well."""
         path = self.path / name
         weights = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
         saved_round = server_round if server_round is not None else (self.rounds[-1]["round"] if self.rounds else 0)
-        self._write_model(path, weights, saved_round)
+        self._write_model(path, weights, saved_round, threshold)
         if server_round is not None:
             write_json(self.path / "checkpoint.json", {"round": server_round, "model": CHECKPOINT})
-        self._saved = (saved_round, weights)
+        self._saved = (saved_round, weights, threshold)
         self._save_selected()
         return path
 
-    def _write_model(self, path: Path, weights: dict[str, torch.Tensor], server_round: int, selected_by: str = "") -> None:
+    def _write_model(
+        self, path: Path, weights: dict[str, torch.Tensor], server_round: int, threshold: float | None, selected_by: str = ""
+    ) -> None:  # fmt: skip
         if self.model_card is None:
             partial = path.with_suffix(".partial")
             save_file({k: v.contiguous() for k, v in weights.items()}, str(partial))
             partial.replace(path)
         else:
-            save_model_file(path, weights, self.model_card.at_round(server_round, selected_by), self.etf)
+            save_model_file(path, weights, self.model_card.at_round(server_round, selected_by, threshold), self.etf)
 
     def _save_selected(self) -> None:
         """Write SELECTED_MODEL when the latest checkpoint is of the best round (checkpoints and round
@@ -267,7 +279,7 @@ class RunRecorder:
         best, selected_by = self.best_round()
         if best is None or self._saved is None or self._saved[0] != best["round"] or self._selected_round == best["round"]:
             return
-        self._write_model(self.path / SELECTED_MODEL, self._saved[1], best["round"], selected_by)
+        self._write_model(self.path / SELECTED_MODEL, self._saved[1], best["round"], self._saved[2], selected_by)
         self._selected_round = best["round"]
 
     def continue_from(self, previous: Path, reference: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:

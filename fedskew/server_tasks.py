@@ -16,12 +16,13 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
-from fedskew.client_tasks import VAL_METRICS, local_optimisation
+from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
 from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
+from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
 from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
 from fedskew.privacy import private_strategy
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
@@ -128,35 +129,114 @@ def scalar_metrics(metrics: dict) -> MetricRecord:
     return MetricRecord({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)})
 
 
+@dataclass(frozen=True)
+class RoundEvaluation:
+    """One round's metrics: test (at the round's decision threshold), the sites' validation, the server's
+    validation (val-data; None without it), and for multi-label data the threshold and what chose it."""
+
+    test: dict
+    val: dict
+    server_val: dict | None
+    threshold: float | None = None
+    threshold_chosen_by: str = ""
+
+
+def decision_threshold(
+    setting: str | float, site_counts: np.ndarray | None, server_counts: np.ndarray | None, thresholds: tuple[float, ...]
+) -> tuple[float, str]:
+    """(the round's multi-label decision threshold, what chose it). A fixed run-config threshold is used as
+    given. Chosen on validation, it comes from val-data when the run has it, because val-data is what
+    chooses the round there, so the round and its threshold come from the same split; else from the sites'
+    summed validation counts. The test split never chooses it."""
+    if setting != "validation":
+        return float(setting), "run-config threshold (fixed)"
+    if server_counts is not None:
+        return choose_threshold(server_counts, thresholds), "the server's validation split (val-data)"
+    if site_counts is not None:
+        return choose_threshold(site_counts, thresholds), "the sites' validation splits (their summed counts)"
+    return DEFAULT_THRESHOLD, "none: no validation data this round, so 0.5"
+
+
+def report_counts(report: dict, thresholds: tuple[float, ...]) -> np.ndarray:
+    """The (thresholds, classes, 3) counts of a multi-label validation_report."""
+    return np.asarray(report[VAL_COUNTS_KEY], dtype=np.int64).reshape(len(thresholds), -1, 3)
+
+
+def evaluate_round(
+    model: nn.Module,
+    test: ImageDataset | None,
+    device: torch.device,
+    *,
+    multilabel: bool,
+    threshold_setting: str | float,
+    site_val: dict,
+    site_counts: np.ndarray | None,
+    validation: ImageDataset | None,
+) -> RoundEvaluation:
+    """A round's evaluation, the same for the federated methods and the centralised bound: the server's
+    validation split (when val-data gives one) and, for multi-label data, the decision threshold chosen
+    on validation (`decision_threshold`) with the validation F1 derived from the counts at it, then the
+    test split at that threshold. `site_val`: the sites' aggregated validation scalars; `site_counts`:
+    their summed threshold counts (None: none reported)."""
+    server_report = None if validation is None else validation_report(
+        model, validation.test_images, validation.test_labels, device=device, threshold=threshold_setting
+    )  # fmt: skip
+    if not multilabel:
+        test_metrics = {} if test is None else evaluate(model, test.test_images, test.test_labels, device=device)
+        return RoundEvaluation(test_metrics, site_val, server_report)
+    thresholds = counted_thresholds(threshold_setting)
+    server_counts = None if server_report is None else report_counts(server_report, thresholds)
+    threshold, chosen_by = decision_threshold(threshold_setting, site_counts, server_counts, thresholds)
+
+    def scores(counts: np.ndarray) -> dict:
+        return {f"val_{k}": v for k, v in counted_f1(counts, thresholds, threshold).items()}
+
+    return RoundEvaluation(
+        test={} if test is None else evaluate(model, test.test_images, test.test_labels, device=device, threshold=threshold),
+        val=site_val if site_counts is None else {**site_val, **scores(site_counts)},
+        server_val=None if server_counts is None else scores(server_counts),
+        threshold=threshold,
+        threshold_chosen_by=chosen_by,
+    )
+
+
+def record_evaluation(recorder: RunRecorder, server_round: int, state: dict, result: RoundEvaluation, train: dict) -> None:
+    """Checkpoint the round's model (with its threshold, for its model file) and record the round."""
+    if result.threshold is not None:
+        recorder.extra["threshold_chosen_by"] = result.threshold_chosen_by
+    recorder.save_checkpoint(state, server_round, threshold=result.threshold)
+    recorder.record_round(server_round, result.test, train=train, val=result.val, server_val=result.server_val,
+                          threshold=result.threshold)  # fmt: skip
+
+
 def make_evaluate_fn(
     model: nn.Module,
     test: ImageDataset | None,
     device: torch.device,
     recorder: RunRecorder,
-    round_metrics: Callable[[], tuple[dict, dict]],
+    round_metrics: Callable[[], tuple[dict, dict, np.ndarray | None]],
     round_offset: int = 0,
     validation: ImageDataset | None = None,
+    threshold_setting: str | float = "validation",
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
-    """After every round: evaluate the global model on the server's test split (with no test data,
-    the sites' aggregated validation metrics are the round's evaluation) and on its validation split
-    when val-data gives one, checkpoint it, and record the round. `round_offset` numbers the rounds of
-    a resumed run after the earlier ones. Flower calls this after the round's federated evaluation,
-    so the validation metrics are current."""
+    """After every round: evaluate the global model (`evaluate_round`: with no test data, the sites'
+    aggregated validation metrics are the round's evaluation), checkpoint it, and record the round.
+    `round_metrics` gives the round's (aggregated train metrics, aggregated validation metrics, summed
+    validation threshold counts). `round_offset` numbers the rounds of a resumed run after the earlier
+    ones. Flower calls this after the round's federated evaluation, so the validation metrics are current."""
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         # Loaded into the model first: aggregation (Flower's DP wrappers among it) can hand back integer
         # buffers such as BatchNorm's num_batches_tracked as floats; the model's own dtypes are what is saved.
         model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = {}
-        if test is not None:
-            metrics = evaluate(model, test.test_images, test.test_labels, device=device)
         if server_round == 0 and round_offset:
-            return scalar_metrics(metrics)  # the resumed model: already recorded by the earlier run
-        train, val = round_metrics()
-        recorder.save_checkpoint(model.state_dict(), round_offset + server_round)
-        recorder.record_round(round_offset + server_round, metrics, train=train, val=val,
-                              server_val=server_validation(model, validation, device))  # fmt: skip
-        return scalar_metrics(metrics)
+            # The resumed model: already recorded by the earlier run.
+            return scalar_metrics({} if test is None else evaluate(model, test.test_images, test.test_labels, device=device))
+        train, val, counts = round_metrics()
+        result = evaluate_round(model, test, device, multilabel=recorder.multilabel, threshold_setting=threshold_setting,
+                                site_val=val, site_counts=counts, validation=validation)  # fmt: skip
+        record_evaluation(recorder, round_offset + server_round, model.state_dict(), result, train)
+        return scalar_metrics(result.test)
 
     return evaluate_fn
 
@@ -182,7 +262,9 @@ def run_rounds(
     if resumed_state is not None:
         model.load_state_dict(resumed_state)
     strategy = build_strategy(cfg, num_sites, model, etf=etf)
-    strategy.attach(recorder, round_offset=done, refused=set(refused))
+    thresholds = counted_thresholds(cfg.threshold)
+    strategy.attach(recorder, round_offset=done, refused=set(refused),
+                    counts_shape=(len(thresholds), task.num_classes, 3) if task.multilabel else None)  # fmt: skip
     private_strategy(cfg, strategy, num_sites, num_examples, recorder).start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
@@ -190,8 +272,9 @@ def run_rounds(
         timeout=cfg.round_timeout,
         train_config=ConfigRecord({"local-epochs": cfg.local_epochs}),
         evaluate_fn=make_evaluate_fn(
-            model, test, device, recorder, lambda: (strategy.last_train_metrics, strategy.last_val_metrics),
-            round_offset=done, validation=validation,
+            model, test, device, recorder,
+            lambda: (strategy.last_train_metrics, strategy.last_val_metrics, strategy.last_val_counts),
+            round_offset=done, validation=validation, threshold_setting=cfg.threshold,
         ),  # fmt: skip
     )
     if cfg.method == "fednca" and test is not None and model.use_ladm:
@@ -224,25 +307,24 @@ def train_centralized(
             model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
             device=device,
         )
-        metrics = evaluate(model, test.test_images, test.test_labels, device=device)
-        recorder.save_checkpoint(model.state_dict(), server_round)
-        recorder.record_round(server_round, metrics, train=stats, val=pooled_validation(model, val_images, val_labels, device),
-                              server_val=server_validation(model, validation, device))  # fmt: skip
+        site_val, site_counts = pooled_validation(cfg, model, val_images, val_labels, device)
+        result = evaluate_round(model, test, device, multilabel=task.multilabel, threshold_setting=cfg.threshold,
+                                site_val=site_val, site_counts=site_counts, validation=validation)  # fmt: skip
+        record_evaluation(recorder, server_round, model.state_dict(), result, stats)
 
 
-def pooled_validation(model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device) -> dict:
-    """The round's validation metrics on the pooled site validation splits: the same keys the sites report,
-    so the centralised bound's round is selected on validation like every other method's."""
+def pooled_validation(
+    cfg: RunConfig, model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device
+) -> tuple[dict, np.ndarray | None]:
+    """(validation scalars, threshold counts) on the pooled site validation splits: what the sites would
+    report between them, so the centralised bound's round and threshold are chosen on validation like
+    every other method's."""
     if len(labels) == 0:
-        return {}
-    metrics = evaluate(model, images, labels, device=device)
-    return {f"val_{k}": float(metrics[k]) for k in VAL_METRICS[labels.ndim == 2]}
-
-
-def server_validation(model: nn.Module, validation: ImageDataset | None, device: torch.device) -> dict | None:
-    """The round's metrics on the server's validation split (val-data), keyed like the sites' validation
-    metrics; None without one."""
-    return None if validation is None else pooled_validation(model, validation.test_images, validation.test_labels, device)
+        return {}, None
+    report = validation_report(model, images, labels, device=device, threshold=cfg.threshold)
+    if VAL_COUNTS_KEY in report:
+        return {}, report_counts(report, counted_thresholds(cfg.threshold))
+    return report, None
 
 
 def load_server_validation_set(cfg: RunConfig, task: TaskShape | ImageDataset) -> ImageDataset | None:

@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from fedskew.data.pixels import unit_float
-from fedskew.metrics import multilabel_metrics, single_label_metrics
+from fedskew.metrics import DEFAULT_THRESHOLD, multilabel_metrics, single_label_metrics
 
+EVAL_BATCH_SIZE = 256  # evaluation and prediction batches (no gradients: larger than training's)
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -114,9 +115,10 @@ def predict(model: nn.Module, loader: DataLoader, device: torch.device, multilab
 
 
 def evaluate(
-    model: nn.Module, images: np.ndarray, labels: np.ndarray, *, device: torch.device, batch_size: int = 256
+    model: nn.Module, images: np.ndarray, labels: np.ndarray, *, device: torch.device, threshold: float = DEFAULT_THRESHOLD
 ) -> dict[str, float | list[float]]:
-    """Metrics of `model` on (images, labels); the label shape says which metric family applies."""
+    """Metrics of `model` on (images, labels); the label shape says which metric family applies.
+    Multi-label F1 and accuracy are taken at the decision `threshold`."""
     multilabel = labels.ndim == 2
-    y_true, probs = predict(model, make_loader(images, labels, batch_size, shuffle=False), device, multilabel)
-    return multilabel_metrics(y_true, probs) if multilabel else single_label_metrics(y_true, probs)
+    y_true, probs = predict(model, make_loader(images, labels, EVAL_BATCH_SIZE, shuffle=False), device, multilabel)
+    return multilabel_metrics(y_true, probs, threshold) if multilabel else single_label_metrics(y_true, probs)

@@ -8,6 +8,7 @@ import torch
 from fedskew.client_tasks import local_optimisation
 from fedskew.config import ConfigError, RunConfig
 from fedskew.data.sites import load_task_dataset
+from fedskew.metrics import THRESHOLD_GRID
 from fedskew.models.backbones import Classifier
 from fedskew.models.build import build_model, server_etf
 from fedskew.models.fednca import FedNCAModel
@@ -18,12 +19,12 @@ class RecordingRecorder:
     """Stands in for RunRecorder: keeps what train_centralized records, writes nothing."""
 
     def __init__(self):
-        self.rounds, self.checkpoints = {}, {}
+        self.rounds, self.checkpoints, self.thresholds, self.val, self.extra = {}, {}, {}, {}, {}
 
-    def record_round(self, server_round, test, train=None, val=None, server_val=None):
-        self.rounds[server_round] = test
+    def record_round(self, server_round, test, train=None, val=None, server_val=None, threshold=None):
+        self.rounds[server_round], self.val[server_round], self.thresholds[server_round] = test, val, threshold
 
-    def save_checkpoint(self, state_dict, server_round=None):
+    def save_checkpoint(self, state_dict, server_round=None, threshold=None):
         self.checkpoints[server_round] = state_dict
 
 
@@ -64,3 +65,7 @@ def test_train_centralized_records_every_round_of_the_fednca_model():
     assert sorted(recorder.rounds) == [0, 1, 2] and sorted(recorder.checkpoints) == [1, 2]
     assert any(key.startswith("ladm.attention") for key in recorder.checkpoints[2])
     assert recorder.rounds[2]["f1_macro"] > recorder.rounds[0]["f1_macro"]
+    # Each trained round's threshold is chosen on the pooled validation splits, never left at None.
+    assert all(recorder.thresholds[r] in THRESHOLD_GRID for r in (1, 2))
+    assert recorder.extra["threshold_chosen_by"].startswith("the sites' validation splits")
+    assert recorder.val[2]["val_f1_macro"] >= recorder.val[2]["val_f1_macro_at_0.5"]  # the best of a grid holding 0.5

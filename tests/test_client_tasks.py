@@ -6,6 +6,7 @@ import torch
 
 from fedskew.client_tasks import (
     OPTIMIZER_SITE_STATE,
+    VAL_COUNTS_KEY,
     evaluate_site,
     received_etf,
     received_proximal_mu,
@@ -14,6 +15,7 @@ from fedskew.client_tasks import (
 )
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
+from fedskew.metrics import THRESHOLD_GRID
 from fedskew.models.build import build_model, server_etf
 from fedskew.models.fednca import etf_fingerprint, simplex_etf
 
@@ -49,7 +51,11 @@ def test_fednca_site_round_trains_reports_etf_fingerprint_and_leaves_etf_out_of_
     assert metrics["num-examples"] == len(site.train_labels)
     assert any(not torch.equal(new_state[k], state[k]) for k in state)
     val = evaluate_site(CFG, site, new_state, etf=etf.numpy())
-    assert set(val) == {"val_f1_macro", "val_f1_micro", "num-examples", "unit-weight"}
+    # Only counts leave the site: tp, fp, fn per grid threshold and class, which add up to its validation labels.
+    assert set(val) == {VAL_COUNTS_KEY, "num-examples", "unit-weight"}
+    counts = np.array(val[VAL_COUNTS_KEY]).reshape(len(THRESHOLD_GRID), site.num_classes, 3)
+    np.testing.assert_array_equal(counts[..., 0] + counts[..., 2], np.broadcast_to(site.val_labels.sum(0), counts.shape[:2]))
+    assert np.all(np.diff(counts[..., 0] + counts[..., 1], axis=0) <= 0)  # a higher threshold predicts no more labels
 
 
 def test_site_survey_reports_counts_only():

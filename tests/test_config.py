@@ -48,6 +48,9 @@ def test_pyproject_and_configuration_page_tables_are_generated_from_the_model():
         ({"val-data": "held/out", "test-data": "held/out"}, ["'val-data'", "held/out", "other than test-data"]),
         ({"val-data": "federated"}, ["'val-data'", "other than test-data"]),
         ({"val-data": "v", "method": "factory", "mosaic-grid": 0, "partition": "iid"}, ["'val-data'", "empty for method 'factory'"]),
+        ({"threshold": 1.0}, ["'threshold'", "1.0", "'validation' (chosen on validation data) or a number in (0, 1)"]),
+        ({"threshold": "valid"}, ["'threshold'", "'valid'", "a number in (0, 1)"]),
+        ({"threshold": True}, ["'threshold'", "True", "a number in (0, 1)"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(overrides, fragments):

@@ -13,7 +13,8 @@ from multihot_npz import CLASS_NAMES, write_multihot_npz
 from safetensors.torch import load_file
 
 from fedskew.launch import SimulationSuperLink
-from fedskew.metrics import multilabel_metrics
+from fedskew.metrics import THRESHOLD_GRID, multilabel_metrics
+from fedskew.models.model_file import read_model_file
 from fedskew.predict import predict
 
 TINY = {"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5}
@@ -78,6 +79,15 @@ def test_fednca_two_rounds_every_site_trains_against_the_servers_etf(fednca_run)
     # each site echoes the CRC32 of the ETF it received; the server compares with its own
     assert summary["etf_checks"] == [{"round": r, "sites": 2, "matching": 2} for r in (1, 2)]
     assert 0.0 <= summary["final"]["f1_macro"] <= 1.0 and len(summary["final"]["per_class_f1"]) == len(CLASS_NAMES)
+    # The decision threshold is chosen every round on the sites' summed validation counts (a grid point),
+    # and the summary's is the selected round's; the F1 at the fixed 0.5 is reported beside it.
+    rounds = {r["round"]: r for r in map(json.loads, (fednca_run / "metrics.jsonl").read_text().splitlines())}
+    assert all(rounds[r]["threshold"] in THRESHOLD_GRID for r in (1, 2))
+    assert summary["threshold"] == rounds[summary["best_round"]]["threshold"]
+    assert summary["threshold_chosen_by"] == "the sites' validation splits (their summed counts)"
+    assert {"val_f1_macro", "val_f1_micro", "val_f1_macro_at_0.5"} <= set(rounds[2]["val"])
+    assert rounds[2]["val"]["val_f1_macro"] >= rounds[2]["val"]["val_f1_macro_at_0.5"]  # the grid's best, 0.5 among it
+    assert 0.0 <= summary["final"]["f1_macro_at_0.5"] <= 1.0
     partition = json.loads((fednca_run / "partition.json").read_text())
     assert partition["class-names"] == list(CLASS_NAMES) and "cooccurrence" in partition["sites"][0]
     # the neural-collapse analysis of the final model: class-mean cosine vs the ETF's -1/(K-1), and the t-SNE map
@@ -95,7 +105,10 @@ def test_predict_on_the_test_split_reproduces_the_runs_reported_test_metrics(fed
     rows = list(csv.DictReader(out.open()))
     probs = np.array([[float(r[f"p:{name}"]) for name in CLASS_NAMES] for r in rows])
     test_labels = np.load(own_multilabel["dataset"].removeprefix("npz:"))["test_labels"]
-    recomputed = multilabel_metrics(test_labels, probs)
+    # At the threshold the selected round chose on validation, which the model file carries.
+    assert read_model_file(report["model"])[0].threshold == summary["threshold"]
+    recomputed = multilabel_metrics(test_labels, probs, summary["threshold"])
+    assert [r["predicted"] for r in rows] == ["|".join(np.array(CLASS_NAMES)[p > summary["threshold"]]) for p in probs]
     for key in ("f1_macro", "f1_micro", "auc_macro", "map"):
         assert recomputed[key] == summary["best"][key], key
 

@@ -1,8 +1,19 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sklearn.metrics import average_precision_score, balanced_accuracy_score, f1_score, roc_auc_score
 
-from fedskew.metrics import multilabel_metrics, single_label_metrics
+from fedskew.metrics import (
+    THRESHOLD_GRID,
+    choose_threshold,
+    counted_f1,
+    counted_thresholds,
+    f1_from_counts,
+    multilabel_metrics,
+    single_label_metrics,
+    threshold_counts,
+)
 
 
 def test_single_label_on_a_hand_made_case():
@@ -61,3 +72,73 @@ def test_multilabel_accuracy_is_medmnists_acc():
     m = multilabel_metrics(y, probs)
     assert m["accuracy_medmnist"] == pytest.approx(0.75)
     assert m["accuracy_medmnist"] == pytest.approx(getACC(y, probs, "multi-label, binary-class"))
+
+
+# --- the decision threshold chosen on validation counts ------------------------------------------
+
+GRID_INDEX = {t: k for k, t in enumerate(THRESHOLD_GRID)}
+
+
+def _counts_at(per_threshold: dict[float, list[list[int]]], default: list[list[int]]) -> np.ndarray:
+    return np.array([per_threshold.get(t, default) for t in THRESHOLD_GRID])
+
+
+def test_hand_made_counts_give_the_threshold_and_macro_f1_exactly():
+    # Two classes. Below 0.3 class 0 has 2 tp and 2 fp; from 0.3 on it is exact (2 tp); class 1 has 1 tp
+    # and 1 fn everywhere except at 0.3, where it has 2 tp: macro-F1 there = (1 + 1) / 2 = 1.
+    counts = _counts_at({0.3: [[2, 0, 0], [2, 0, 0]]}, [[2, 0, 0], [1, 0, 1]])
+    counts[: GRID_INDEX[0.3], 0] = [2, 2, 0]
+    assert choose_threshold(counts, THRESHOLD_GRID) == 0.3
+    scores = counted_f1(counts, THRESHOLD_GRID, 0.3)
+    assert scores == {"f1_macro": 1.0, "f1_micro": 1.0, "f1_macro_at_0.5": (1 + 2 / 3) / 2}
+    # below 0.3: class 0 F1 = 4 / 6, class 1 = 2 / 3; micro = 2 * 3 / (2 * 3 + 2 + 1)
+    macro, micro = f1_from_counts(counts[GRID_INDEX[0.25]])
+    assert macro == pytest.approx(2 / 3) and micro == pytest.approx(6 / 9)
+
+
+def test_equally_good_thresholds_go_to_the_one_nearest_half_and_a_model_that_separates_nothing_keeps_half():
+    plateau = _counts_at({t: [[3, 0, 0]] for t in (0.1, 0.15, 0.2, 0.25, 0.3, 0.35)}, [[0, 0, 3]])
+    assert choose_threshold(plateau, THRESHOLD_GRID) == 0.35
+    symmetric = _counts_at({0.4: [[3, 0, 0]], 0.6: [[3, 0, 0]]}, [[0, 0, 3]])
+    assert choose_threshold(symmetric, THRESHOLD_GRID) == 0.4  # equally near: the lower
+    assert choose_threshold(np.zeros((len(THRESHOLD_GRID), 2, 3), dtype=np.int64), THRESHOLD_GRID) == 0.5
+
+
+def test_a_fixed_threshold_is_counted_with_half_for_the_comparable_f1():
+    assert counted_thresholds("validation") == THRESHOLD_GRID
+    assert counted_thresholds(0.3) == (0.3, 0.5) and counted_thresholds(0.5) == (0.5,)
+
+
+@st.composite
+def _sites(draw):
+    """2-4 sites' validation labels and probabilities over the same 3 classes (probabilities on a 0.01 grid,
+    so some sit exactly on a threshold: '>' must treat them alike in every site)."""
+    classes = 3
+    sites = []
+    for _ in range(draw(st.integers(2, 4))):
+        n = draw(st.integers(0, 12))
+        labels = np.array(draw(st.lists(st.lists(st.integers(0, 1), min_size=classes, max_size=classes), min_size=n, max_size=n)),
+                          dtype=np.int64).reshape(n, classes)  # fmt: skip
+        probs = np.array(draw(st.lists(st.lists(st.integers(0, 100), min_size=classes, max_size=classes), min_size=n, max_size=n)),
+                         dtype=np.float64).reshape(n, classes) / 100  # fmt: skip
+        sites.append((labels, probs))
+    return sites
+
+
+@settings(deadline=None, max_examples=30)  # each example fits 40 scikit-learn F1s: cheap, but not within 200 ms on a busy machine
+@given(_sites())
+def test_summing_the_sites_counts_is_pooling_their_predictions(sites):
+    summed = sum(threshold_counts(labels, probs, THRESHOLD_GRID) for labels, probs in sites)
+    labels = np.concatenate([s[0] for s in sites])
+    probs = np.concatenate([s[1] for s in sites])
+    np.testing.assert_array_equal(summed, threshold_counts(labels, probs, THRESHOLD_GRID))
+    chosen = choose_threshold(summed, THRESHOLD_GRID)
+    if len(labels):
+        # The F1 the server derives from the sums is scikit-learn's F1 on the pooled predictions ...
+        derived = counted_f1(summed, THRESHOLD_GRID, chosen)
+        predicted = (probs > chosen).astype(int)
+        assert derived["f1_macro"] == pytest.approx(f1_score(labels, predicted, average="macro", zero_division=0), abs=1e-12)
+        assert derived["f1_micro"] == pytest.approx(f1_score(labels, predicted, average="micro", zero_division=0), abs=1e-12)
+        # ... and no grid threshold does better on the pooled predictions.
+        assert all(f1_score(labels, (probs > t).astype(int), average="macro", zero_division=0) <= derived["f1_macro"] + 1e-12
+                   for t in THRESHOLD_GRID)  # fmt: skip

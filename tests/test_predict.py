@@ -2,6 +2,7 @@
 predicts exactly what the model in memory predicts."""
 
 import csv
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.factory.classifier import ExpertEnsemble, build_classifier
 from fedskew.models.build import build_model, server_etf
-from fedskew.models.model_file import ModelFileError, load_model_file, run_model_card, save_model_file
+from fedskew.metrics import multilabel_metrics
+from fedskew.models.model_file import ModelFileError, load_model_file, read_model_file, run_model_card, save_model_file
 from fedskew.predict import predict
 
 NAMES = ("a", "b", "c", "d")
@@ -75,3 +77,34 @@ def test_a_weights_only_file_or_a_missing_model_is_a_clear_error(tmp_path):
     assert cli_main(["predict", str(tmp_path / "nowhere"), "--input", str(tmp_path)]) == 2
     with pytest.raises(ValueError, match="holds neither model-selected.safetensors nor model.safetensors"):
         predict(tmp_path, tmp_path, tmp_path / "p.csv")
+
+
+def test_the_model_file_carries_the_rounds_decision_threshold_and_predict_decides_and_scores_at_it(tmp_path):
+    model, path = _fednca_file(tmp_path)
+    assert read_model_file(path)[0].threshold == 0.5  # the card before any round chose one
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 255, (12, 8, 8), dtype=np.uint8)
+    labels = (rng.random((12, len(NAMES))) < 0.4).astype(np.uint8)
+    arrays = {f"{split}_{kind}": value for split in ("train", "val", "test")
+              for kind, value in (("images", images), ("labels", labels))}  # fmt: skip
+    np.savez(tmp_path / "scans.npz", **arrays)
+    with torch.no_grad():
+        probs = torch.sigmoid(model(torch.from_numpy(images[:, None].astype(np.float32) / 255))).numpy()
+    # A threshold between the probabilities, where predictions differ from those at 0.5.
+    threshold = float(np.median(probs))
+    assert ((probs > threshold) != (probs > 0.5)).any()
+    card, state, etf = read_model_file(path)
+    chosen = save_model_file(tmp_path / "chosen.safetensors", state, card.at_round(3, "val_f1_macro", threshold), etf)
+    assert read_model_file(chosen)[0].threshold == threshold and f"> {threshold}" in read_model_file(chosen)[0].decision
+    report = predict(chosen, tmp_path / "scans.npz", tmp_path / "p.csv")
+    rows = list(csv.DictReader((tmp_path / "p.csv").open()))
+    assert [r["predicted"] for r in rows] == ["|".join(np.array(NAMES)[row > threshold]) for row in probs]
+    assert report["metrics"]["f1_macro"] == multilabel_metrics(labels, probs, threshold)["f1_macro"]
+
+
+def test_a_model_file_whose_threshold_is_not_a_probability_is_refused(tmp_path):
+    _, path = _fednca_file(tmp_path)
+    card, state, etf = read_model_file(path)
+    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, threshold=1.5), etf)
+    with pytest.raises(ModelFileError, match=r"multi-label 'threshold' = 1.5 is invalid; valid: a number in \(0, 1\)"):
+        read_model_file(forged)

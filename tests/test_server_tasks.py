@@ -53,3 +53,57 @@ def test_a_server_validation_set_must_hold_the_task_and_chooses_the_centralised_
                                   tuple(str(k) for k in range(5)))  # fmt: skip
     with pytest.raises(ValueError, match="val-data = .* holds single-label data with 5 classes"):
         load_server_validation_set(cfg.model_copy(update={"val_data": str(other)}), task)
+
+
+def test_the_threshold_is_chosen_on_val_data_when_the_run_has_it_else_on_the_sites_counts():
+    from fedskew.metrics import THRESHOLD_GRID
+    from fedskew.server_tasks import decision_threshold
+
+    def exact_at(threshold):  # one class predicted exactly at `threshold` only, missed everywhere else
+        return np.array([[[2, 0, 0]] if t == threshold else [[0, 0, 2]] for t in THRESHOLD_GRID])
+
+    sites, server = exact_at(0.2), exact_at(0.7)
+    assert decision_threshold("validation", sites, server, THRESHOLD_GRID) == (0.7, "the server's validation split (val-data)")
+    assert decision_threshold("validation", sites, None, THRESHOLD_GRID)[0] == 0.2
+    assert decision_threshold(0.35, sites, server, (0.35, 0.5)) == (0.35, "run-config threshold (fixed)")
+    assert decision_threshold("validation", None, None, THRESHOLD_GRID)[0] == 0.5
+
+
+def test_a_sites_malformed_validation_counts_are_refused_with_the_reason_and_the_others_summed():
+    from fedskew.strategies.recording import summed_counts
+
+    good = np.arange(12).tolist()
+    total, refused = summed_counts({"1": good, "2": good, "3": good[:-1], "4": [-1] * 12, "5": None, "6": [0.5] * 12}, (2, 2, 3))
+    np.testing.assert_array_equal(total, 2 * np.arange(12).reshape(2, 2, 3))
+    assert sorted(refused) == ["3", "4", "5", "6"]
+    assert "must be 12 non-negative integers (thresholds x classes x [tp, fp, fn] = 2 x 2 x 3); found 11 values" in refused["3"]
+    assert "not all non-negative integers" in refused["4"] and "found none" in refused["5"]
+    assert summed_counts({"3": good[:-1]}, (2, 2, 3))[0] is None  # no usable counts: no validation this round
+
+
+def test_flowers_strategy_sums_the_sites_counts_and_records_a_malformed_report_as_dropped(tmp_path, monkeypatch):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedskew.client_tasks import VAL_COUNTS_KEY
+    from fedskew.strategies import RecordedFedAvg
+
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):  # messages outside a Flower runtime
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+    class ThreeSites:
+        def get_node_ids(self):
+            return [1, 2, 3]
+
+    strategy = RecordedFedAvg(fraction_evaluate=1.0, weighted_by_key="num-examples")
+    recorder = RunRecorder.create(RunConfig(), multilabel=True, base=tmp_path)
+    strategy.attach(recorder, counts_shape=(2, 1, 3))  # 2 thresholds, 1 class
+    sent = strategy.configure_evaluate(1, ArrayRecord({"w": torch.zeros(1)}), ConfigRecord(), ThreeSites())
+    reports = {1: [1, 0, 0, 0, 0, 1], 2: [3, 1, 0, 2, 0, 1], 3: [5, 5]}  # site 3 sends 2 numbers, not 6
+    replies = [Message(RecordDict({"metrics": MetricRecord({VAL_COUNTS_KEY: reports[m.metadata.dst_node_id], "num-examples": 4})}),
+                       reply_to=m) for m in sent]  # fmt: skip
+    strategy.aggregate_evaluate(1, replies)
+    # Summed, not averaged by Flower, and without site 3, which is recorded as dropped with the reason.
+    np.testing.assert_array_equal(strategy.last_val_counts, [[[4, 1, 0]], [[2, 0, 2]]])
+    assert VAL_COUNTS_KEY not in strategy.last_val_metrics
+    assert [(d["round"], d["site"]) for d in recorder.dropped] == [(1, "3")] and "found 2 values" in recorder.dropped[0]["reason"]

@@ -26,6 +26,7 @@ from fedskew.data.site_folder import (
 )
 from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.data.sources import DataSourceError
+from fedskew.metrics import THRESHOLD_GRID
 from fedskew.results import RunRecorder
 from multihot_npz import CLASS_NAMES, write_multihot_npz
 
@@ -273,13 +274,18 @@ def test_federated_evaluation_records_the_sites_validation_metrics(tmp_path):
     from flwr.app import ArrayRecord
 
     recorder = RunRecorder.create(CFG, multilabel=True, base=tmp_path)
-    metrics = lambda: ({"train_loss": 0.5}, {"val_f1_macro": 0.25})  # noqa: E731
+    # One class, two validation positives summed over the sites: up to 0.30 two false positives come along,
+    # from 0.35 to 0.45 the predictions are exact, from 0.50 both positives are missed.
+    counts = np.array([[[2, 2, 0]] if t <= 0.3 else [[2, 0, 0]] if t <= 0.45 else [[0, 0, 2]] for t in THRESHOLD_GRID])
+    metrics = lambda: ({"train_loss": 0.5}, {"num-examples": 4.0}, counts)  # noqa: E731
     # Aggregation can hand back a float64 tensor for a float32 (or integer) buffer: the checkpoint keeps the model's dtype.
     aggregated = ArrayRecord({"weight": torch.ones(1, 1, dtype=torch.float64), "bias": torch.ones(1)})
     evaluate_fn = make_evaluate_fn(torch.nn.Linear(1, 1), None, torch.device("cpu"), recorder, metrics)
     assert len(evaluate_fn(1, aggregated)) == 0
     (entry,) = recorder.rounds
-    assert entry["val"] == {"val_f1_macro": 0.25} and entry["test"] == {} and entry["train"]["train_loss"] == 0.5
+    # The round's threshold: the exact range's point nearest 0.5; the F1 derived from the summed counts at it.
+    assert entry["threshold"] == 0.45 and entry["test"] == {} and entry["train"]["train_loss"] == 0.5
+    assert entry["val"] == {"num-examples": 4.0, "val_f1_macro": 1.0, "val_f1_micro": 1.0, "val_f1_macro_at_0.5": 0.0}
     assert json.loads((recorder.path / "checkpoint.json").read_text())["round"] == 1
     assert load_file(recorder.path / "model.safetensors")["weight"].dtype == torch.float32
     # A resumed run continues the numbering and does not record its starting model again.

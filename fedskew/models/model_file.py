@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fedskew.config import RunConfig
+from fedskew.metrics import DEFAULT_THRESHOLD
 
 FORMAT = "fedskew-model/1"
 METADATA_KEY = "fedskew"
 ETF_TENSOR = "fedskew.etf"
-MULTILABEL_THRESHOLD = 0.5  # the threshold every F1 in the run's metrics uses
 
 
 class ModelFileError(ValueError):
@@ -42,6 +42,9 @@ class ModelCard:
     experts: int = 0  # factory-p2p: the number of site experts in the Product of Experts
     round: int | None = None
     selected_by: str = ""
+    # Multi-label: the decision threshold shared by all classes, the one the round's metrics were taken at
+    # (chosen on validation, or the run's fixed `threshold`); None for single-label models.
+    threshold: float | None = None
 
     @property
     def multilabel(self) -> bool:
@@ -50,16 +53,16 @@ class ModelCard:
     @property
     def decision(self) -> str:
         if self.multilabel:
-            return f"every class whose sigmoid probability is > {MULTILABEL_THRESHOLD}"
+            return f"every class whose sigmoid probability is > {self.threshold}"
         return "the class with the highest softmax probability"
 
     def header(self) -> dict[str, str]:
-        card = {**asdict(self), "format": FORMAT, "threshold": MULTILABEL_THRESHOLD if self.multilabel else None,
-                "decision": self.decision}  # fmt: skip
-        return {METADATA_KEY: json.dumps(card)}
+        return {METADATA_KEY: json.dumps({**asdict(self), "format": FORMAT, "decision": self.decision})}
 
-    def at_round(self, server_round: int | None, selected_by: str = "") -> ModelCard:
-        return replace(self, round=server_round, selected_by=selected_by)
+    def at_round(self, server_round: int | None, selected_by: str = "", threshold: float | None = None) -> ModelCard:
+        """The card of the model of `server_round`; `threshold` None keeps the card's threshold."""
+        return replace(self, round=server_round, selected_by=selected_by,
+                       threshold=self.threshold if threshold is None else float(threshold))  # fmt: skip
 
 
 def run_model_card(cfg: RunConfig, class_names: tuple[str, ...], multilabel: bool, image_shape: tuple[int, int, int]) -> ModelCard:
@@ -76,6 +79,8 @@ def run_model_card(cfg: RunConfig, class_names: tuple[str, ...], multilabel: boo
             else "none: the model takes pixels scaled to [0, 1]"
         ),
         run_config=cfg.to_run_config(),
+        # Until a round has chosen one: the run's fixed threshold, or 0.5.
+        threshold=(DEFAULT_THRESHOLD if cfg.threshold == "validation" else float(cfg.threshold)) if multilabel else None,
     )
 
 
@@ -107,8 +112,11 @@ def read_model_file(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor
     fields = json.loads(header)
     if fields.pop("format", None) != FORMAT:
         raise ModelFileError(f"{path}: unknown model file format; this fedskew reads {FORMAT}")
-    for derived in ("threshold", "decision"):
-        fields.pop(derived, None)
+    fields.pop("decision", None)  # derived from the other fields
+    threshold = fields.get("threshold")
+    if fields.get("label_kind") == "multi" and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                                   and 0 < threshold < 1):  # fmt: skip
+        raise ModelFileError(f"{path}: the header's multi-label 'threshold' = {threshold!r} is invalid; valid: a number in (0, 1)")
     card = ModelCard(**{**fields, "class_names": tuple(fields["class_names"]), "image_shape": tuple(fields["image_shape"])})
     etf = tensors.pop(ETF_TENSOR, None)
     return card, tensors, etf

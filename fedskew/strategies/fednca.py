@@ -28,8 +28,8 @@ class FedNCA(RecordingMixin, FedAvg):
         self.etf_record = ArrayRecord({ETF_KEY: etf.detach().cpu().contiguous()})
         self.etf_crc32 = etf_fingerprint(etf)
 
-    def attach(self, recorder: RunRecorder, round_offset: int = 0, refused: set[int] = frozenset()) -> None:
-        super().attach(recorder, round_offset, refused)
+    def attach(self, recorder: RunRecorder, **options) -> None:
+        super().attach(recorder, **options)
         recorder.extra["etf_crc32"] = self.etf_crc32
         resumed = recorder.extra.get("resumed_from")
         if resumed:

@@ -6,15 +6,36 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fedskew.client_tasks import VAL_COUNTS_KEY
 from fedskew.results import RunRecorder
 
 
 EXAMPLES_KEY = "num-examples"
+
+
+def summed_counts(reported: dict[str, object], shape: tuple[int, ...]) -> tuple[np.ndarray | None, dict[str, str]]:
+    """(the sum of the sites' validation threshold counts, refused site -> reason). A site's counts must be
+    a list of prod(shape) non-negative integers (thresholds x classes x [tp, fp, fn]); a site whose counts
+    are not is left out of the sum (and so of the round's validation) with the reason. None when no
+    site's counts are usable."""
+    total, refused = np.zeros(shape, dtype=np.int64), {}
+    size = int(np.prod(shape))
+    for site, counts in reported.items():
+        values = np.asarray(counts if isinstance(counts, list) else [], dtype=np.float64)
+        if values.shape != (size,) or not np.all(np.isfinite(values) & (values >= 0) & (values == np.round(values))):
+            found = f"{len(counts)} values" if isinstance(counts, list) else "none"
+            refused[site] = (f"site {site}: validation report refused: '{VAL_COUNTS_KEY}' must be {size} non-negative "
+                             f"integers (thresholds x classes x [tp, fp, fn] = {' x '.join(map(str, shape))}); found "
+                             f"{found}{' (not all non-negative integers)' if values.shape == (size,) else ''}")  # fmt: skip
+            continue
+        total += values.astype(np.int64).reshape(shape)
+    return (total if len(refused) < len(reported) else None), refused
 
 
 def payload_nbytes(message: Message) -> int:
@@ -28,30 +49,39 @@ class RecordingMixin:
     recorder: RunRecorder
     last_train_metrics: dict
     last_val_metrics: dict
+    last_val_counts: np.ndarray | None
 
-    def attach(self, recorder: RunRecorder, round_offset: int = 0, refused: set[int] = frozenset()) -> None:
+    def attach(
+        self, recorder: RunRecorder, round_offset: int = 0, refused: set[int] = frozenset(),
+        counts_shape: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
         """Record into `recorder`; a resumed run numbers its rounds after `round_offset`, so the
         sites' schedules and seeds continue where the earlier run stopped. `refused` nodes (refused at
-        the site survey) are sent nothing."""
+        the site survey) are sent nothing. `counts_shape` (multi-label runs): the shape of the
+        validation threshold counts every site reports; the sites' counts are summed, not averaged."""
         self.recorder = recorder
         self.round_offset = round_offset
         self.refused = set(refused)
+        self.counts_shape = counts_shape
         self.destinations: dict[str, int] = {}
-        self.last_train_metrics, self.last_val_metrics = {}, {}
+        self.last_train_metrics, self.last_val_metrics, self.last_val_counts = {}, {}, None
 
     def _count_out(self, messages: Iterable[Message]) -> list[Message]:
         messages = [msg for msg in messages if msg.metadata.dst_node_id not in self.refused]
         for msg in messages:
-            # The SuperLink answers for a vanished node with its own id as the source, so replies
-            # are traced back to their site through the id of the message they answer.
             self.destinations[msg.object_id] = msg.metadata.dst_node_id
             self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
         return messages
 
+    def _site_of(self, reply: Message) -> str:
+        # The SuperLink answers for a vanished node with its own id as the source, so replies
+        # are traced back to their site through the id of the message they answer.
+        return str(self.destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
+
     def _count_in(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
         for msg in replies:
-            site = str(self.destinations.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id))
+            site = self._site_of(msg)
             if msg.has_error():
                 self.recorder.record_dropout(server_round, site, msg.error.reason)
             else:
@@ -76,10 +106,26 @@ class RecordingMixin:
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.round_offset
-        replies = self._count_in(server_round, replies)
+        replies = self._sum_counts(server_round, self._count_in(server_round, replies))
         metrics = super().aggregate_evaluate(server_round, replies)
         if metrics is not None and self.weighted_by_key != EXAMPLES_KEY:
             # Validation metrics pick the best round: always weighted by examples, whatever the model averaging.
             metrics = aggregate_metricrecords([m.content for m in replies if not m.has_error()], EXAMPLES_KEY)
         self.last_val_metrics = dict(metrics) if metrics is not None else {}
+        # Flower averaged the counts like any metric; what the round's threshold is chosen on is their sum.
+        self.last_val_metrics.pop(VAL_COUNTS_KEY, None)
         return metrics
+
+    def _sum_counts(self, server_round: int, replies: list[Message]) -> list[Message]:
+        """Sum the sites' validation threshold counts into last_val_counts; replies whose counts are
+        malformed are recorded as dropped and left out of the round's validation."""
+        self.last_val_counts = None
+        if self.counts_shape is None:
+            return replies
+        reported = {self._site_of(m): m.content["metrics"].get(VAL_COUNTS_KEY) if "metrics" in m.content.metric_records
+                    else None for m in replies if not m.has_error()}  # fmt: skip
+        self.last_val_counts, refused = summed_counts(reported, self.counts_shape)
+        for site, reason in refused.items():
+            print(reason, flush=True)
+            self.recorder.record_dropout(server_round, site, reason)
+        return [m for m in replies if m.has_error() or self._site_of(m) not in refused]
