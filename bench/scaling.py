@@ -47,13 +47,16 @@ FEDNCA_CONFIG = "method='fednca' num-server-rounds=1"
 # the server's synthesis and classifier are a fixed cost per run whatever the number of sites.
 FACTORY_CONFIG = ("method='factory' mosaic-grid=0 partition='classes-per-site' classes-per-site=2 "
                   "factory.generator-steps=50 factory.samples-per-class=100 factory.classifier-epochs=2 factory.fidelity=false")
-# (column, header, scale, decimals) of the table, per method.
+# (column, header, scale, decimals) of the table; the last three only for a method whose points have them.
 COLUMNS = (
     ("run_wall_seconds", "flwr run wall s", 1, 1),
     ("round_seconds", "round s", 1, 1),
     ("cpu_seconds", "CPU s", 1, 1),
     ("mb_sent", "MB sent", 1, 2),
     ("mb_received", "MB received", 1, 2),
+    ("generators_cpu_seconds", "sites' generators CPU s", 1, 1),
+    ("synthesis_cpu_seconds", "synthesis CPU s", 1, 1),
+    ("classifier_cpu_seconds", "classifier CPU s", 1, 1),
 )
 
 
@@ -94,8 +97,12 @@ def recorded(run_dir: Path) -> dict:
     record = {"server_wall_seconds": summary["wall_seconds"], "round_seconds": first["round_seconds"],
               "mb_sent": traffic["sent_total"] / 1e6, "mb_received": traffic["received_total"] / 1e6,
               "sites_replied": len(traffic["received_per_site"]), "run_dir": str(run_dir)}
-    if "factory" in summary:
-        record["generators"] = len(summary["factory"]["modules"])
+    if "factory" in summary:  # where a FederatedFactory run's CPU went: the sites' generators, then the server
+        sites = summary["factory"]["site_metrics"]
+        record.update(generators=len(summary["factory"]["modules"]),
+                      generators_cpu_seconds=sum(s["generator_cpu_seconds"] + s["audit_cpu_seconds"] for s in sites),
+                      synthesis_cpu_seconds=first["train"]["synthesis_cpu_seconds"],
+                      classifier_cpu_seconds=first["train"]["classifier_cpu_seconds"])
     return record
 
 
@@ -120,16 +127,17 @@ def table(results: dict, command: str) -> str:
              "Ray queues the others. Wall times include whatever else ran on the machine (load average at the start "
              "and end of each run in results.json); CPU seconds are every process of the run; bytes are exact.", ""]
     for method, points in by_method(results).items():
+        columns = [column for column in COLUMNS if all(column[0] in point for point in points)]
         lines += [f"**{method}** (`{results['configs'][method]}`):", "",
-                  "| sites | " + " | ".join(header for _, header, _, _ in COLUMNS) + " | load average |",
-                  "|---" * (len(COLUMNS) + 2) + "|"]
+                  "| sites | " + " | ".join(header for _, header, _, _ in columns) + " | load average |",
+                  "|---" * (len(columns) + 2) + "|"]
         for point in points:
-            cells = [f"{point[key] * scale:.{decimals}f}" for key, _, scale, decimals in COLUMNS]
+            cells = [f"{point[key] * scale:.{decimals}f}" for key, _, scale, decimals in columns]
             load = "–".join(f"{value:.1f}" for value in point["load_average"])
             lines.append(f"| {point['sites']} | " + " | ".join(cells) + f" | {load} |")
         if len(points) >= 2:
             slopes = ", ".join(f"{header} {per_site_cost(points, key) * scale:+.{decimals + 1}f}"
-                               for key, header, scale, decimals in COLUMNS)
+                               for key, header, scale, decimals in columns)
             lines += ["", f"One more site (least-squares slope over {len(points)} sizes): {slopes}."]
         lines.append("")
     return "\n".join(lines)

@@ -28,6 +28,19 @@ def test_recorded_reads_the_first_trained_round_and_the_bytes(tmp_path):
                                   "sites_replied": 2, "run_dir": str(tmp_path)}
 
 
+def test_recorded_splits_a_factory_run_into_the_sites_generators_and_the_servers_work(tmp_path):
+    sites = [{"generator_cpu_seconds": 9.0, "audit_cpu_seconds": 1.0}, {"generator_cpu_seconds": 7.5, "audit_cpu_seconds": 0.5}]
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "wall_seconds": 500.0, "bytes": {"sent_total": 160, "received_total": 2_000_000, "sent_per_site": {},
+                                         "received_per_site": {"a": 1, "b": 1}},
+        "factory": {"site_metrics": sites, "modules": [{}, {}, {}, {}]}}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(
+        {"round": 1, "round_seconds": 480.0, "train": {"synthesis_cpu_seconds": 160.0, "classifier_cpu_seconds": 35.0}}))
+    record = recorded(tmp_path)
+    assert (record["generators"], record["generators_cpu_seconds"]) == (4, 18.0)
+    assert (record["synthesis_cpu_seconds"], record["classifier_cpu_seconds"]) == (160.0, 35.0)
+
+
 def test_a_stored_point_is_reused_only_for_the_same_run_config_and_cpus():
     results = {"points": {"fednca/5": fake_point(5)}}
     assert stored_point(results, "fednca", 5, dict(FEDNCA), 1) == results["points"]["fednca/5"]
