@@ -47,16 +47,16 @@ FEDNCA_CONFIG = "method='fednca' num-server-rounds=1"
 # the server's synthesis and classifier are a fixed cost per run whatever the number of sites.
 FACTORY_CONFIG = ("method='factory' mosaic-grid=0 partition='classes-per-site' classes-per-site=2 "
                   "factory.generator-steps=50 factory.samples-per-class=100 factory.classifier-epochs=2 factory.fidelity=false")
-# (column, header, scale, decimals) of the table; the last three only for a method whose points have them.
+# (column, header, format) of the table; the last three only for a method whose points have them.
 COLUMNS = (
-    ("run_wall_seconds", "flwr run wall s", 1, 1),
-    ("round_seconds", "round s", 1, 1),
-    ("cpu_seconds", "CPU s", 1, 1),
-    ("mb_sent", "MB sent", 1, 2),
-    ("mb_received", "MB received", 1, 2),
-    ("generators_cpu_seconds", "sites' generators CPU s", 1, 1),
-    ("synthesis_cpu_seconds", "synthesis CPU s", 1, 1),
-    ("classifier_cpu_seconds", "classifier CPU s", 1, 1),
+    ("run_wall_seconds", "flwr run wall s", ".1f"),
+    ("round_seconds", "round s", ".1f"),
+    ("cpu_seconds", "CPU s", ".1f"),
+    ("mb_sent", "MB sent", ".3g"),  # FederatedFactory sends a few hundred bytes, FedNCA-ML megabytes
+    ("mb_received", "MB received", ".3g"),
+    ("generators_cpu_seconds", "sites' generators CPU s", ".1f"),
+    ("synthesis_cpu_seconds", "synthesis CPU s", ".1f"),
+    ("classifier_cpu_seconds", "classifier CPU s", ".1f"),
 )
 
 
@@ -129,15 +129,15 @@ def table(results: dict, command: str) -> str:
     for method, points in by_method(results).items():
         columns = [column for column in COLUMNS if all(column[0] in point for point in points)]
         lines += [f"**{method}** (`{results['configs'][method]}`):", "",
-                  "| sites | " + " | ".join(header for _, header, _, _ in columns) + " | load average |",
+                  "| sites | " + " | ".join(header for _, header, _ in columns) + " | load average |",
                   "|---" * (len(columns) + 2) + "|"]
         for point in points:
-            cells = [f"{point[key] * scale:.{decimals}f}" for key, _, scale, decimals in columns]
+            cells = [f"{point[key]:{spec}}" for key, _, spec in columns]
             load = "–".join(f"{value:.1f}" for value in point["load_average"])
             lines.append(f"| {point['sites']} | " + " | ".join(cells) + f" | {load} |")
         if len(points) >= 2:
-            slopes = ", ".join(f"{header} {per_site_cost(points, key) * scale:+.{decimals + 1}f}"
-                               for key, header, scale, decimals in columns)
+            slopes = ", ".join(f"{header} {per_site_cost(points, key):+{'.2f' if spec.endswith('f') else spec}}"
+                               for key, header, spec in columns)  # a second decimal for a cost per site
             lines += ["", f"One more site (least-squares slope over {len(points)} sizes): {slopes}."]
         lines.append("")
     return "\n".join(lines)

@@ -61,7 +61,7 @@ def test_the_table_has_a_row_per_size_and_the_per_site_cost(tmp_path):
     text = write(results, tmp_path, "python -m bench.scaling --out x")
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 5", "| 10"]  # ordered by size
-    assert rows[0].startswith("| 5 | 40.0 | 2.5 | 22.5 | 0.50 | 0.25 | 2.0–3.0 |")
-    assert "flwr run wall s +2.00" in text and "MB sent +0.100" in text
+    assert rows[0].startswith("| 5 | 40.0 | 2.5 | 22.5 | 0.5 | 0.25 | 2.0–3.0 |")
+    assert "flwr run wall s +2.00," in text and "MB sent +0.1," in text
     assert json.loads((tmp_path / "results.json").read_text()) == results
     assert (tmp_path / "scaling.png").stat().st_size > 0
