@@ -212,12 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     results = json.loads(stored.read_text()) if stored.is_file() else {"points": {}}
     results.update(machine=machine(), cpus_per_client=args.cpus_per_client,
                    configs={**results.get("configs", {}), **{m: configs[m] for m in methods}})
-    with SimulationSuperLink() as superlink:
-        for sites in sizes:  # sizes outermost: an interrupted run still has both methods at the smaller sizes
-            for method in methods:
-                if stored_point(results, method, sites, run_configs[method], args.cpus_per_client):
-                    print(f"== {method}, {sites} sites: reusing the stored point", flush=True)
-                    continue
+    # sizes outermost: an interrupted run still has both methods at the smaller sizes
+    pending = [(sites, method) for sites in sizes for method in methods
+               if not stored_point(results, method, sites, run_configs[method], args.cpus_per_client)]
+    print(f"== {len(sizes) * len(methods) - len(pending)} point(s) stored, {len(pending)} to run", flush=True)
+    if pending:
+        with SimulationSuperLink() as superlink:
+            for sites, method in pending:
                 print(f"== {method}, {sites} sites", flush=True)
                 results["points"][point_key(method, sites)] = run_point(
                     superlink, run_configs[method], sites, args.cpus_per_client,
