@@ -68,10 +68,11 @@ def point_key(method: str, sites: int) -> str:
     return f"{method}/{sites}"
 
 
-def run_point(superlink: SimulationSuperLink, run_config: dict, sites: int, cpus_per_client: int,
-              results_dir: Path, timeout: float) -> dict:
-    """One real simulation: its wall time from outside, the CPU seconds of its processes, and what its
-    ServerApp recorded (summary.json, metrics.jsonl)."""
+def run_point(superlink: SimulationSuperLink, run_config: dict, sites: int, cpus_per_client: int, out: Path,
+              timeout: float) -> dict:
+    """One real simulation, its results under OUT/runs/: its wall time from outside, the CPU seconds of its
+    processes, and what its ServerApp recorded (summary.json, metrics.jsonl)."""
+    results_dir = out / "runs" / f"{run_config['method']}-{sites}sites"
     shutil.rmtree(results_dir, ignore_errors=True)  # a run interrupted earlier left a partial directory
     load_before = os.getloadavg()[0]
     with ProcessTreeCPU(superlink.process.pid) as cpu:
@@ -84,7 +85,7 @@ def run_point(superlink: SimulationSuperLink, run_config: dict, sites: int, cpus
         raise SystemExit(f"{run_config['method']} with {sites} sites ended {outcome.status}:\n{outcome.output[-3000:]}")
     return {"run_config": run_config, "sites": sites, "cpus_per_client": cpus_per_client,
             "run_wall_seconds": wall, "cpu_seconds": cpu_seconds, "load_average": [load_before, os.getloadavg()[0]],
-            **recorded(run_dir)}
+            "run_dir": run_dir.resolve().relative_to(out.resolve()).as_posix(), **recorded(run_dir)}
 
 
 def recorded(run_dir: Path) -> dict:
@@ -96,7 +97,7 @@ def recorded(run_dir: Path) -> dict:
     traffic = summary["bytes"]
     record = {"server_wall_seconds": summary["wall_seconds"], "round_seconds": first["round_seconds"],
               "mb_sent": traffic["sent_total"] / 1e6, "mb_received": traffic["received_total"] / 1e6,
-              "sites_replied": len(traffic["received_per_site"]), "run_dir": str(run_dir)}
+              "sites_replied": len(traffic["received_per_site"])}
     if "factory" in summary:  # where a FederatedFactory run's CPU went: the sites' generators, then the server
         sites = summary["factory"]["site_metrics"]
         record.update(generators=len(summary["factory"]["modules"]),
@@ -221,8 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             for sites, method in pending:
                 print(f"== {method}, {sites} sites", flush=True)
                 results["points"][point_key(method, sites)] = run_point(
-                    superlink, run_configs[method], sites, args.cpus_per_client,
-                    args.out / "runs" / f"{method}-{sites}sites", args.timeout)
+                    superlink, run_configs[method], sites, args.cpus_per_client, args.out, args.timeout)
                 write(results, args.out, command)
     print(write(results, args.out, command))
 

@@ -25,7 +25,7 @@ def test_recorded_reads_the_first_trained_round_and_the_bytes(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"round": r, "round_seconds": s})
                                                       for r, s in ((0, 27.0), (1, 4.0))))
     assert recorded(tmp_path) == {"server_wall_seconds": 40.0, "round_seconds": 4.0, "mb_sent": 3.0, "mb_received": 1.5,
-                                  "sites_replied": 2, "run_dir": str(tmp_path)}
+                                  "sites_replied": 2}
 
 
 def test_recorded_splits_a_factory_run_into_the_sites_generators_and_the_servers_work(tmp_path):
