@@ -158,7 +158,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.set_xticks(sorted({p["sites"] for p in results["points"].values()}))
     axes[0].legend()
-    fig.suptitle(f"one round of each method vs number of sites ({results['machine']['cpu_count']} cores, "
+    fig.suptitle(f"one FedNCA-ML round, one FederatedFactory run vs number of sites ({results['machine']['cpu_count']} cores, "
                  f"{results['cpus_per_client']} CPU per ClientApp)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
