@@ -2,6 +2,8 @@
 
     python -m bench.fednca_search --out bench/results/fednca-search --dataset digits-mosaic
     python -m bench.fednca_search --out bench/results/fednca-search --report
+    python -m bench.fednca_search --out OUT --trials default-fednca,default-centralized --seeds 0,1,2
+    python -m bench.fednca_search --out OUT --table --seeds 0,1,2
 
 Every trial is one method with one set of run-config overrides on one dataset. It runs Flower's
 math in one process, with the very functions the ClientApp and ServerApp call: each round every
@@ -16,7 +18,9 @@ the validation and test splits stay whole.
 Selection: a trial's score is macro-F1 on the union of the sites' validation splits after the
 last round. A FedNCA-ML setting replaces the default only if its score is higher on every dataset;
 a baseline's or the bound's learning rate is chosen by its mean score over all datasets (never per
-dataset); the test metric is only reported. Results append to OUT/trials.jsonl (one line per finished trial, so a
+dataset); the test metric is only reported. The `default-*` trials are the benchmark at the run
+defaults (20 rounds x 3 local epochs, each baseline at its chosen learning rate) over `--seeds`;
+`--table` writes OUT/table.md, mean ± sd per dataset. Results append to OUT/trials.jsonl (one line per finished trial, so a
 re-run skips what is done); `--report` writes OUT/search.md.
 
 Diagnosis: every trial also records what separates a ranking failure from a calibration failure —
@@ -25,7 +29,7 @@ macro-F1 at the one threshold that is best on validation (and the test F1 at it)
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
 after every round and, for federated methods, the sites' own models' mean validation AUC before the
 last average. Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
-GroupNorm in the small CNN).
+GroupNorm in the small CNN; `bench.server-momentum = beta`: FedAvgM's server momentum).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +61,8 @@ DATASETS = {
     "digits-mosaic": {"dataset": "digits", "mosaic-grid": 2},  # 16 px grey
     "deformed-digits-mosaic": {"dataset": "deformed-digits", "image-size": 12, "mosaic-grid": 2},  # 24 px grey
     "shapes-multi": {"dataset": "shapes-multi", "image-size": 24, "mosaic-grid": 0},  # 24 px RGB, occlusion
+    # The benchmark's larger-image set: the defaults are chosen on the three above, never on it.
+    "deformed-digits-mosaic-32": {"dataset": "deformed-digits", "image-size": 16, "mosaic-grid": 2},  # 32 px grey
 }
 DEFAULT_TRIAL = "fednca-lr3e-3"  # FedNCA-ML at its current defaults
 # (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid.
@@ -83,6 +90,17 @@ TRIALS = [
     ("fednca-proj128", "fednca", {"fednca.lr": 3e-3, "fednca.projection-dim": 128}),
     ("fednca-groupnorm", "fednca", {"fednca.lr": 3e-3, "bench.norm": "group"}),
     ("centralized-groupnorm", "centralized", {"fednca.lr": 3e-3, "bench.norm": "group"}),
+    ("fednca-m0.5", "fednca", {"fednca.lr": 3e-3, "bench.server-momentum": 0.5}),
+    ("fednca-m0.7", "fednca", {"fednca.lr": 3e-3, "bench.server-momentum": 0.7}),
+    ("fednca-m0.9", "fednca", {"fednca.lr": 3e-3, "bench.server-momentum": 0.9}),
+    ("fednca-e10", "fednca", {"fednca.lr": 3e-3, "local-epochs": 10}),
+    ("fednca-bs16", "fednca", {"fednca.lr": 3e-3, "batch-size": 16}),
+    ("fednca-side8", "fednca", {"fednca.lr": 3e-3, "feature-side": 8}),
+    ("centralized-side8", "centralized", {"fednca.lr": 3e-3, "feature-side": 8}),
+    ("fednca-side4", "fednca", {"fednca.lr": 3e-3, "feature-side": 4}),
+    ("fednca-side8-r20", "fednca", {"fednca.lr": 3e-3, "feature-side": 8, "num-server-rounds": 20}),
+    ("centralized-side8-r20", "centralized", {"fednca.lr": 3e-3, "feature-side": 8, "num-server-rounds": 20}),
+    ("centralized-side8-r20-lr1e-3", "centralized", {"fednca.lr": 1e-3, "feature-side": 8, "num-server-rounds": 20}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -90,6 +108,17 @@ TRIALS = [
     ("fedprox-lr0.02", "fedprox", {"lr": 0.02}),
     ("fedprox-lr0.1", "fedprox", {"lr": 0.1}),
 ]
+
+
+# The benchmark at the run defaults (20 rounds x 3 local epochs); each baseline at the learning rate the search
+# chose for it, by its mean validation score over the search's datasets.
+TABLE_TRIALS = {
+    "default-fednca": ("fednca", {}),
+    "default-centralized": ("centralized", {}),
+    "default-fedavg": ("fedavg", {"lr": 0.1}),
+    "default-fedprox": ("fedprox", {"lr": 0.1}),
+}
+SEARCH_DATASETS = ("digits-mosaic", "deformed-digits-mosaic", "shapes-multi")
 
 
 def subsample(site: SiteData, fraction: float, seed: int) -> SiteData:
@@ -120,7 +149,7 @@ class DictStore:
         self.tensors[name] = dict(tensors)
 
 
-def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe) -> dict:
+def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging."""
@@ -140,12 +169,15 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     stores = [DictStore() for _ in sites]
     mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
     etf_array = etf.numpy() if etf is not None else None
+    parameter_names = [name for name, _ in model.named_parameters()]
+    velocity: dict[str, torch.Tensor] = {}
     for server_round in range(1, cfg.num_server_rounds + 1):
         updates = [
             train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array, site_state=stores[k])
             for k, site in enumerate(sites)
         ]
-        state = federated_average(updates)
+        averaged = federated_average(updates)
+        state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
         trace["val_auc_by_round"].append(probe(model))
     site_model = copy.deepcopy(model)
@@ -155,6 +187,27 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         site_scores.append(probe(site_model))
     trace["site_val_auc"] = float(np.mean(site_scores))
     return trace
+
+
+def momentum_step(
+    global_weights: dict[str, torch.Tensor],
+    averaged: dict[str, torch.Tensor],
+    velocity: dict[str, torch.Tensor],
+    momentum: float,
+    parameter_names: Iterable[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Server momentum (FedAvgM, Hsu et al. 2019, arXiv:1909.06335): the average's change to the global
+    weights is a pseudo-gradient with a heavy-ball velocity, v <- beta v + (average - global), global <- global
+    + v; beta = 0 is FedAvg. Only trainable parameters move with momentum: BatchNorm statistics take the
+    average (an extrapolated running variance could turn negative). Returns the next weights and velocity."""
+    new_weights, new_velocity = dict(averaged), {}
+    for name in parameter_names:
+        step = averaged[name].double() - global_weights[name].double()
+        if name in velocity:
+            step = step + momentum * velocity[name].double()
+        new_velocity[name] = step
+        new_weights[name] = (global_weights[name].double() + step).to(averaged[name].dtype)
+    return new_weights, new_velocity
 
 
 @torch.no_grad()
@@ -192,7 +245,8 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
     _, val_probs = predict(model, make_loader(val_images, val_labels, 256, shuffle=False), device, True)
     _, test_probs = predict(model, make_loader(data.test_images, data.test_labels, 256, shuffle=False), device, True)
     val, test = multilabel_metrics(val_labels, val_probs), multilabel_metrics(data.test_labels, test_probs)
-    scores = {"val": val["f1_macro"], "test": test["f1_macro"], "val_auc": val["auc_macro"], "val_map": val["map"]}
+    scores = {"val": val["f1_macro"], "test": test["f1_macro"], "val_auc": val["auc_macro"], "val_map": val["map"],
+              "test_auc": test["auc_macro"]}
     threshold = validation_threshold(val_labels, val_probs)
     scores.update({
         "labels_per_image": float(val_labels.sum(1).mean()),
@@ -222,9 +276,9 @@ def group_norm_block(in_channels: int, out_channels: int, stride: int = 1) -> to
 @contextlib.contextmanager
 def bench_options(options: dict):
     """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm."""
-    unknown = set(options) - {"bench.norm"}
+    unknown = set(options) - {"bench.norm", "bench.server-momentum"}
     if unknown:
-        raise ValueError(f"unknown bench options {sorted(unknown)}; valid: bench.norm")
+        raise ValueError(f"unknown bench options {sorted(unknown)}; valid: bench.norm, bench.server-momentum")
     original = backbones.conv_bn_relu
     if options.get("bench.norm") == "group":
         backbones.conv_bn_relu = group_norm_block
@@ -234,7 +288,7 @@ def bench_options(options: dict):
         backbones.conv_bn_relu = original
 
 
-def run_trial(cfg: RunConfig, fraction: float) -> dict:
+def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
     data = load_task_dataset(cfg)
@@ -247,23 +301,47 @@ def run_trial(cfg: RunConfig, fraction: float) -> dict:
     def probe(trained: torch.nn.Module) -> float:
         return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
 
-    trace = train_trial(cfg, sites, model, etf, probe)
+    trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0))
     return {**diagnose(model, sites, data), **trace}
 
 
-def trial_config(dataset: str, method: str, overrides: dict, args) -> RunConfig:
+def trial_config(dataset: str, method: str, overrides: dict, args, seed: int) -> RunConfig:
     return RunConfig.from_run_config({
         **DATASETS[dataset], "partition": "multilabel-skew", "alpha": 0.1, "missing-classes": 3,
-        "num-server-rounds": args.rounds, "local-epochs": args.local_epochs, "seed": args.seed,
+        "num-server-rounds": args.rounds, "local-epochs": args.local_epochs, "seed": seed,
         **{k: v for k, v in overrides.items() if not k.startswith("bench.")}, "method": method,
     })
 
 
-def done_trials(path: Path) -> dict[tuple[str, str], dict]:
+def done_trials(path: Path, seed: int = 0) -> dict[tuple[str, str], dict]:
+    """(trial, dataset) -> the finished trial's row, for one seed."""
     if not path.is_file():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {(row["trial"], row["dataset"]): row for row in rows}
+    return {(row["trial"], row["dataset"]): row for row in rows if row.get("seed", 0) == seed}
+
+
+def mean_sd(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def table(out: Path, seeds: list[int]) -> str:
+    """table.md: the benchmark at the run defaults (the `default-*` trials), test macro-F1 at the threshold
+    chosen on validation (what a Flower run reports) and test macro-AUC, mean ± sd over `seeds`, and
+    each method's gap to the same-model bound."""
+    by_seed = {seed: done_trials(out / "trials.jsonl", seed) for seed in seeds}
+    datasets = [d for d in DATASETS if any(key[1] == d and key[0] in TABLE_TRIALS for rows in by_seed.values() for key in rows)]
+    lines = ["| method | " + " | ".join(f"{d} macro-F1 | AUC" for d in datasets) + " |",
+             "|---" * (2 * len(datasets) + 1) + "|"]
+    for name in TABLE_TRIALS:
+        cells = []
+        for d in datasets:
+            rows = [by_seed[seed][(name, d)] for seed in seeds if (name, d) in by_seed[seed]]
+            cells += [f"{mean_sd([r['test_thr'] for r in rows])} (n={len(rows)})" if rows else "-",
+                      mean_sd([r["test_auc"] for r in rows]) if rows and all("test_auc" in r for r in rows) else "-"]
+        lines.append(f"| {name.removeprefix('default-')} | " + " | ".join(cells) + " |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def diagnosis_cell(row: dict) -> str:
@@ -281,7 +359,7 @@ def report(out: Path) -> str:
     """search.md: validation (test) macro-F1 per trial and dataset, each method's pick by mean validation,
     and the diagnosis table."""
     rows = done_trials(out / "trials.jsonl")
-    datasets = [d for d in DATASETS if any(key[1] == d for key in rows)]
+    datasets = [d for d in SEARCH_DATASETS if any(key[1] == d for key in rows)]
     lines = ["| trial | " + " | ".join(f"{d} val (test)" for d in datasets) + " | mean val |",
              "|---" * (len(datasets) + 2) + "|"]
     diagnosis = ["| trial | " + " | ".join(datasets) + " |", "|---" * (len(datasets) + 1) + "|"]
@@ -324,30 +402,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--local-epochs", type=int, default=3)
     parser.add_argument("--site-fraction", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (the search itself uses seed 0)")
     parser.add_argument("--report", action="store_true", help="only write OUT/search.md from the finished trials")
+    parser.add_argument("--table", action="store_true", help="only write OUT/table.md (the default-* trials over --seeds)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.report:
-        print(report(args.out))
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    if args.report or args.table:
+        print(report(args.out) if args.report else table(args.out, seeds))
         return
     torch.set_num_threads(1)
     wanted = set(args.trials.split(",")) if args.trials else None
     log = args.out / "trials.jsonl"
-    for dataset in args.dataset or list(DATASETS):
-        for name, method, overrides in TRIALS:
-            if (wanted and name not in wanted) or (name, dataset) in done_trials(log):
-                continue
-            start = time.process_time()
-            cfg = trial_config(dataset, method, overrides, args)
-            with bench_options({k: v for k, v in overrides.items() if k.startswith("bench.")}):
-                scores = run_trial(cfg, args.site_fraction)
-            row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
-                   "rounds": cfg.num_server_rounds, "local_epochs": cfg.local_epochs, "site_fraction": args.site_fraction,
-                   "seed": args.seed, "cpu_seconds": round(time.process_time() - start, 1)}
-            with log.open("a") as file:
-                file.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+    for seed in seeds:
+        for dataset in args.dataset or list(DATASETS):
+            run_missing_trials(args, seed, dataset, wanted, log)
+
+
+def run_missing_trials(args, seed: int, dataset: str, wanted: set[str] | None, log: Path) -> None:
+    table_trials = [(name, method, {"num-server-rounds": 20, "local-epochs": 3, **overrides})
+                    for name, (method, overrides) in TABLE_TRIALS.items()]
+    for name, method, overrides in TRIALS + table_trials:
+        if (wanted and name not in wanted) or (name, dataset) in done_trials(log, seed):
+            continue
+        start = time.process_time()
+        cfg = trial_config(dataset, method, overrides, args, seed)
+        options = {k: v for k, v in overrides.items() if k.startswith("bench.")}
+        with bench_options(options):
+            scores = run_trial(cfg, args.site_fraction, options)
+        row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
+               "rounds": cfg.num_server_rounds, "local_epochs": cfg.local_epochs, "site_fraction": args.site_fraction,
+               "seed": seed, "cpu_seconds": round(time.process_time() - start, 1)}
+        with log.open("a") as file:
+            file.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

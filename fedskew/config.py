@@ -321,6 +321,10 @@ class RunConfig(_Section):
     model: Literal["small-cnn", "resnet18"] = Field(
         "small-cnn", description="Backbone: a small CNN for CPU runs or ResNet-18 with a small-image stem."
     )
+    feature_side: int = Field(
+        8, ge=0, le=4096, description="small-cnn: add a stride-2 stage (two 3x3 convs) while the feature map's side "
+        "is above this, so the receptive field grows with the image (0 = one stride-2 stage whatever the size)."
+    )
     pretrained: str = Field(
         "", description="Local torchvision-format ResNet state dict (.safetensors, or a PyTorch file read with "
         "weights_only) to start `model` from: torchvision's stem, ImageNet normalisation, grey repeated to RGB; "

@@ -3,6 +3,8 @@ the federated average and the GroupNorm ablation."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from bench.fednca_search import (
     bench_options,
     federated_average,
+    momentum_step,
+    table,
     recalibrated_batchnorm,
     validation_threshold,
 )
@@ -53,3 +57,24 @@ def test_groupnorm_option_swaps_the_small_cnn_norm_only_inside_the_block():
     with pytest.raises(ValueError, match="bench.width"):
         with bench_options({"bench.width": 2}):
             pass
+
+
+def test_server_momentum_accumulates_the_averages_steps_and_leaves_batchnorm_statistics_averaged():
+    # Round 1 from w=0 to the average 1: v=1, w=1. Round 2 the average moves w to 1.5: v = 0.5 + 0.9 * 1 = 1.4,
+    # w = 1 + 1.4 = 2.4. The running variance is not a parameter: it is the average, never extrapolated.
+    weights, velocity = momentum_step({"w": torch.tensor([0.0]), "var": torch.tensor([1.0])},
+                                      {"w": torch.tensor([1.0]), "var": torch.tensor([0.5])}, {}, 0.9, ["w"])
+    assert weights["w"].item() == pytest.approx(1.0) and velocity["w"].item() == pytest.approx(1.0)
+    weights, velocity = momentum_step(weights, {"w": torch.tensor([1.5]), "var": torch.tensor([0.2])}, velocity, 0.9, ["w"])
+    assert weights["w"].item() == pytest.approx(2.4) and weights["var"].item() == pytest.approx(0.2)
+    assert weights["w"].dtype == torch.float32
+
+
+def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
+    rows = [{"trial": "default-fednca", "dataset": "digits-mosaic", "seed": seed, "test_thr": f1, "test_auc": 0.9}
+            for seed, f1 in enumerate([0.7, 0.8, 0.9])]
+    rows.append({"trial": "default-fednca", "dataset": "digits-mosaic", "seed": 7, "test_thr": 0.0, "test_auc": 0.5})
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = table(tmp_path, [0, 1, 2])  # seed 7 is not asked for
+    assert "| fednca | 0.800 ± 0.100 (n=3) | 0.900 ± 0.000 |" in text
+    assert "| fedavg | - | - |" in text

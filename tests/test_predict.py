@@ -40,6 +40,22 @@ def test_a_fednca_model_file_carries_its_etf_and_rebuilds_the_same_model(tmp_pat
     assert "> 0.5" in card.decision
 
 
+def test_a_file_from_before_feature_side_rebuilds_the_one_stage_small_cnn_it_was_trained_with(tmp_path):
+    # At 32 px feature-side matters (16x16 map with one stride-2 stage, 8x8 with the default): a card without
+    # the key was written when the small CNN always had one stage.
+    shape = (1, 32, 32)
+    cfg = RunConfig.from_run_config({"dataset": "npz:own.npz", "mosaic-grid": 0, "feature-side": 0})
+    etf = server_etf(cfg, len(NAMES), shape)
+    model = build_model(cfg, len(NAMES), shape, etf=etf).eval()
+    card = run_model_card(cfg, NAMES, True, shape)
+    old_card = dataclasses.replace(card, run_config={k: v for k, v in card.run_config.items() if k != "feature-side"})
+    path = save_model_file(tmp_path / "old.safetensors", model.state_dict(), old_card, etf)
+    loaded, _ = load_model_file(path)
+    x = torch.rand(2, *shape)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 def test_a_product_of_experts_file_predicts_with_every_expert(tmp_path):
     cfg = RunConfig.from_run_config({"method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier": "small-cnn"})
     torch.manual_seed(1)

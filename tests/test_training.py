@@ -45,8 +45,16 @@ def test_proximal_term_keeps_weights_closer_to_the_global_model():
 def test_backbones_expose_a_feature_map():
     x = torch.randn(2, 3, 16, 16)
     assert SmallCNN(3).forward_features(x).shape == (2, 64, 8, 8)
+    assert SmallCNN(3, 16, feature_side=8).forward_features(x).shape == (2, 64, 8, 8)  # already small enough
     assert ResNet(18, 3).forward_features(x).shape == (2, 512, 2, 2)
     assert ResNet(50, 3).forward_features(x).shape == (2, 2048, 2, 2)
+
+
+@pytest.mark.parametrize("side, feature_side, expected", [(56, 0, 28), (56, 8, 7), (32, 8, 8), (24, 8, 6), (24, 4, 3), (9, 4, 3)])
+def test_small_cnn_downsamples_until_the_feature_side_is_reached(side, feature_side, expected):
+    # Each extra stage halves the side (rounding up, as a padded stride-2 3x3 conv does).
+    cnn = SmallCNN(1, side, feature_side)
+    assert cnn.forward_features(torch.zeros(1, 1, side, side)).shape == (1, 64, expected, expected)
 
 
 def test_cuda_request_without_cuda_is_a_clear_error():

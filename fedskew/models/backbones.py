@@ -32,17 +32,26 @@ def conv_bn_relu(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seq
 
 
 class SmallCNN(nn.Module):
-    """Four 3x3 conv layers, one stride-2: fast on a CPU, keeps an (H/2 x W/2) token grid."""
+    """3x3 conv layers with one stride-2 stage: fast on a CPU, keeps an (H/2 x W/2) token grid.
 
-    def __init__(self, in_channels: int, width: int = 32):
+    With `feature_side` > 0, another stage (a stride-2 conv and a conv) follows while the map's side
+    is above it, so a token's receptive field grows with the image instead of staying 11 px: on
+    56 px images one token of the original grid sees a fifth of a 28 px digit."""
+
+    def __init__(self, in_channels: int, image_size: int = 0, feature_side: int = 0, width: int = 32):
         super().__init__()
         self.feature_dim = 2 * width
-        self.features = nn.Sequential(
+        stages = [
             conv_bn_relu(in_channels, width),
             conv_bn_relu(width, width),
             conv_bn_relu(width, 2 * width, stride=2),
             conv_bn_relu(2 * width, 2 * width),
-        )
+        ]
+        side = (image_size + 1) // 2
+        while feature_side and side > feature_side:
+            stages += [conv_bn_relu(2 * width, 2 * width, stride=2), conv_bn_relu(2 * width, 2 * width)]
+            side = (side + 1) // 2
+        self.features = nn.Sequential(*stages)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(x)
@@ -98,11 +107,14 @@ def _from_torchvision_name(name: str) -> str:
     return name
 
 
-def build_backbone(name: str, in_channels: int, image_size: int, imagenet_input: bool = False) -> nn.Module:
+def build_backbone(
+    name: str, in_channels: int, image_size: int, imagenet_input: bool = False, feature_side: int = 0
+) -> nn.Module:
+    """`feature_side`: the small CNN's largest feature-map side (0: one stride-2 stage); ResNets ignore it."""
     if name == "small-cnn":
         if imagenet_input:
             raise ValueError("pretrained weights need model = resnet18 (or a resnet50 classifier); small-cnn has none")
-        return SmallCNN(in_channels)
+        return SmallCNN(in_channels, image_size, feature_side)
     if name in ("resnet18", "resnet50"):
         return ResNet(int(name[len("resnet"):]), in_channels, image_size < SMALL_IMAGE_SIDE, imagenet_input)
     raise ValueError(f"unknown backbone {name!r}; valid: {', '.join(BACKBONES)}")

@@ -12,7 +12,7 @@ from fedskew.models.fednca import FedNCAModel, etf_dim, simplex_etf
 
 def server_etf(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> torch.Tensor:
     """The run's fixed simplex ETF, built once by the server from the run seed."""
-    feature_dim = build_backbone(cfg.model, image_shape[0], image_shape[1], bool(cfg.pretrained)).feature_dim
+    feature_dim = build_backbone(cfg.model, image_shape[0], image_shape[1], bool(cfg.pretrained), cfg.feature_side).feature_dim
     return simplex_etf(num_classes, etf_dim(feature_dim, cfg.fednca.projection_dim or None), cfg.seed)
 
 
@@ -22,7 +22,7 @@ def build_model(
     """FedNCA-ML's ETF model (with the server's `etf`) for method fednca and its centralised bound, else
     backbone + linear head."""
     channels, height, _ = image_shape
-    backbone = build_backbone(cfg.model, channels, height, imagenet_input=bool(cfg.pretrained))
+    backbone = build_backbone(cfg.model, channels, height, bool(cfg.pretrained), cfg.feature_side)
     if not cfg.fednca_model:
         return Classifier(backbone, num_classes)
     if etf is None:

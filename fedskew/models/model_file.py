@@ -134,7 +134,8 @@ def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
     from fedskew.factory.classifier import ExpertEnsemble, build_classifier
     from fedskew.models.build import build_model
 
-    cfg = RunConfig.from_run_config(card.run_config)
+    # A file written before `feature-side` existed holds the small CNN of then: one stride-2 stage.
+    cfg = RunConfig.from_run_config({"feature-side": 0, **card.run_config})
     num_classes = len(card.class_names)
     if card.method in ("factory", "factory-p2p"):
         if card.experts:
