@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.compare import summarise
 from fedskew.client_tasks import local_optimisation, train_site
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
@@ -113,13 +114,15 @@ TRIALS = [
 ]
 
 
-# The benchmark at the run defaults (20 rounds x 3 local epochs); each baseline at the learning rate the search
-# chose for it, by its mean validation score over the search's datasets.
+# The benchmark at the run defaults (rounds and local epochs as a run has them); each baseline at the learning
+# rate the search chose for it, by its mean validation score over the search's datasets.
+RUN_BUDGET = {"num-server-rounds": RunConfig.model_fields["num_server_rounds"].default,
+              "local-epochs": RunConfig.model_fields["local_epochs"].default}
 TABLE_TRIALS = {
-    "default-fednca": ("fednca", {}),
-    "default-centralized": ("centralized", {}),
-    "default-fedavg": ("fedavg", {"lr": 0.1}),
-    "default-fedprox": ("fedprox", {"lr": 0.1}),
+    "default-fednca": ("fednca", RUN_BUDGET),
+    "default-centralized": ("centralized", RUN_BUDGET),
+    "default-fedavg": ("fedavg", {**RUN_BUDGET, "lr": 0.1}),
+    "default-fedprox": ("fedprox", {**RUN_BUDGET, "lr": 0.1}),
 }
 SEARCH_DATASETS = ("digits-mosaic", "deformed-digits-mosaic", "shapes-multi")
 
@@ -324,14 +327,9 @@ def done_trials(path: Path, seed: int = 0) -> dict[tuple[str, str], dict]:
     return {(row["trial"], row["dataset"]): row for row in rows if row.get("seed", 0) == seed}
 
 
-def mean_sd(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
-
-
 def table(out: Path, seeds: list[int]) -> str:
     """table.md: the benchmark at the run defaults (the `default-*` trials), test macro-F1 at the threshold
-    chosen on validation (what a Flower run reports) and test macro-AUC, mean ± sd over `seeds`, and
-    each method's gap to the same-model bound."""
+    chosen on validation (what a Flower run reports) and test macro-AUC, mean ± sd over `seeds`."""
     by_seed = {seed: done_trials(out / "trials.jsonl", seed) for seed in seeds}
     datasets = [d for d in DATASETS if any(key[1] == d and key[0] in TABLE_TRIALS for rows in by_seed.values() for key in rows)]
     lines = ["| method | " + " | ".join(f"{d} macro-F1 | AUC" for d in datasets) + " |",
@@ -340,8 +338,8 @@ def table(out: Path, seeds: list[int]) -> str:
         cells = []
         for d in datasets:
             rows = [by_seed[seed][(name, d)] for seed in seeds if (name, d) in by_seed[seed]]
-            cells += [f"{mean_sd([r['test_thr'] for r in rows])} (n={len(rows)})" if rows else "-",
-                      mean_sd([r["test_auc"] for r in rows]) if rows and all("test_auc" in r for r in rows) else "-"]
+            cells += [f"{summarise([r['test_thr'] for r in rows], decimals=3)} (n={len(rows)})" if rows else "-",
+                      summarise([r["test_auc"] for r in rows], decimals=3) if rows and all("test_auc" in r for r in rows) else "-"]
         lines.append(f"| {name.removeprefix('default-')} | " + " | ".join(cells) + " |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -423,9 +421,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_missing_trials(args, seed: int, dataset: str, wanted: set[str] | None, log: Path) -> None:
-    table_trials = [(name, method, {"num-server-rounds": 20, "local-epochs": 3, **overrides})
-                    for name, (method, overrides) in TABLE_TRIALS.items()]
-    for name, method, overrides in TRIALS + table_trials:
+    for name, method, overrides in TRIALS + [(name, *trial) for name, trial in TABLE_TRIALS.items()]:
         if (wanted and name not in wanted) or (name, dataset) in done_trials(log, seed):
             continue
         start = time.process_time()

@@ -36,8 +36,8 @@ SELECTED_MODEL = "model-selected.safetensors"  # the model of the best-validatio
 # Settings that shape the data, the partition, the model or the ETF: a resumed run must share them.
 RESUME_MUST_MATCH = (
     "method", "dataset", "image-size", "mosaic-grid", "partition", "alpha", "classes-per-site", "missing-classes",
-    "min-site-size", "val-fraction", "model", "feature-side", "seed", "num-classes", "fednca.ladm", "fednca.learnable-queries",
-    "fednca.projection-dim", "fednca.heads", "pretrained",
+    "min-site-size", "val-fraction", "model", "feature-side", "seed", "num-classes", "fednca.ladm",
+    "fednca.learnable-queries", "fednca.projection-dim", "fednca.heads", "pretrained",
 )
 
 # Metrics shown in the per-round log line and the curves, by label kind.
