@@ -40,7 +40,7 @@ from bench.compare import completed_run, parse_run_config  # noqa: E402
 from fedskew.config import RunConfig  # noqa: E402
 from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
 
-FEDNCA_CONFIG = "method='fednca' num-server-rounds=1"
+FEDNCA_CONFIG = "method='fednca' num-server-rounds=1 local-epochs=3"
 # Two classes per site cover the 10 digit classes from 5 sites on (single-class sites would need 10), and at
 # 50 sites every class is still split into shares above factory.min-class-images. Short generators, a small
 # synthetic set and classifier, and no fidelity metrics (Inception features) keep a 50-site run to minutes;

@@ -95,13 +95,14 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
         return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, classification_loss
     nca = cfg.fednca
     per_round = nca.schedule_span == "round" and cfg.method != "centralized"
+    total_steps = steps_per_round if per_round else cfg.num_server_rounds * steps_per_round
     optimizer, scheduler = fednca_optimizer(
         model,
-        total_steps=steps_per_round if per_round else cfg.num_server_rounds * steps_per_round,
+        total_steps=total_steps,
         lr=nca.lr,
         betas=(0.9, nca.beta2),
         weight_decay=nca.weight_decay,
-        warmup_fraction=nca.warmup_fraction,
+        warmup_steps=warmup_steps(nca.warmup_epochs, steps_per_round / cfg.local_epochs, total_steps),
         step_offset=0 if per_round else (server_round - 1) * steps_per_round,
     )
     loss_fn = functools.partial(
@@ -114,6 +115,13 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
         use_regularisers=nca.regularisers,
     )
     return optimizer, scheduler, loss_fn
+
+
+def warmup_steps(warmup_epochs: float, steps_per_epoch: float, total_steps: int) -> int:
+    """Steps of warm-up: `warmup_epochs` epochs' worth, at most half of `total_steps`. A fixed length in
+    epochs rather than a share of the schedule: a longer run must not also warm up longer (a warm-up of
+    10 % of a 20-round run, 6 epochs, kept the centralised bound at chance on shapes-multi)."""
+    return min(round(warmup_epochs * steps_per_epoch), total_steps // 2)
 
 
 class TensorStore(Protocol):

@@ -68,8 +68,9 @@ class FedNCASection(_Section):
     lr: float = Field(3e-3, gt=0, le=1, description="Local AdamW learning rate (the paper: 1e-4 with ResNet-18 at 224 px).")
     beta2: float = Field(0.98, gt=0, lt=1, description="AdamW beta2 (beta1 is 0.9).")
     weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay (not on biases, norms, scale).")
-    warmup_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Share of the schedule's steps spent in linear warm-up (see `schedule-span`)."
+    warmup_epochs: float = Field(
+        1.5, ge=0, le=1000, description="Epochs of linear warm-up at the start of the schedule (see `schedule-span`), "
+        "a fixed length whatever the run's length; at most half the schedule's steps, so a short run still decays."
     )
     schedule_span: Literal["run", "round"] = Field(
         "run", description="What the warm-up/linear-decay schedule spans at a site: the whole `run` (each round "
@@ -303,8 +304,8 @@ class RunConfig(_Section):
     missing_classes: int = Field(3, ge=0, description="Labels absent at each site for `multilabel-skew`.")
     min_site_size: int = Field(10, ge=1, description="Smallest allowed site training set (partitions are redrawn).")
     val_fraction: float = Field(0.1, ge=0, lt=0.5, description="Share of each site's data kept for local validation.")
-    num_server_rounds: int = Field(20, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
-    local_epochs: int = Field(3, ge=1, le=1000, description="Local epochs per round at each site.")
+    num_server_rounds: int = Field(60, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
+    local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round at each site.")
     batch_size: int = Field(32, ge=1, le=65536, description="Local mini-batch size.")
     lr: float = Field(0.05, gt=0, le=10, description="Local SGD learning rate (FedAvg, FedProx, centralised).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum (scaffold and feddyn train without).")

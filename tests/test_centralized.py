@@ -37,10 +37,12 @@ def _model_and_optimiser(run_config: dict):
 
 
 def test_centralized_on_multi_label_data_trains_fednca_models_losses_and_adamw_schedule():
-    model, (optimizer, scheduler, loss_fn) = _model_and_optimiser({"method": "centralized"})
+    model, (optimizer, scheduler, loss_fn) = _model_and_optimiser(
+        {"method": "centralized", "local-epochs": 1, "fednca.warmup-epochs": 2}
+    )
     assert isinstance(model, FedNCAModel)
     assert isinstance(optimizer, torch.optim.AdamW) and scheduler is not None
-    # Round 1 of num-server-rounds = 20 rounds of 10 steps: warm-up over 10 % of 200 steps starts at lr / 20.
+    # Epochs of 10 steps, warm-up 2 epochs = 20 steps: the first step runs at lr / 20.
     assert optimizer.param_groups[0]["lr"] == pytest.approx(RunConfig().fednca.lr / 20)
     assert loss_fn.func.__name__ == "fednca_loss"
 

@@ -368,7 +368,7 @@ def learning_rates(optimizer, scheduler, steps):
 
 
 def test_learning_rate_warms_up_then_decays_linearly_to_zero():
-    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, lr=1e-4, warmup_fraction=0.1)
+    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, lr=1e-4, warmup_steps=10)
     rates = learning_rates(optimizer, scheduler, 101)
     assert rates[0] == pytest.approx(1e-5)  # step 1 of 10 warm-up steps
     assert rates[4] == pytest.approx(5e-5)
@@ -379,9 +379,9 @@ def test_learning_rate_warms_up_then_decays_linearly_to_zero():
 
 
 def test_step_offset_continues_the_global_schedule():
-    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, warmup_fraction=0.1)
+    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, warmup_steps=10)
     global_rates = learning_rates(optimizer, scheduler, 100)
-    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, warmup_fraction=0.1, step_offset=50)
+    optimizer, scheduler = fednca_optimizer(tiny_model(), total_steps=100, warmup_steps=10, step_offset=50)
     assert learning_rates(optimizer, scheduler, 20) == pytest.approx(global_rates[50:70])
 
 
@@ -390,7 +390,7 @@ def test_step_offset_continues_the_global_schedule():
     [
         ({"total_steps": 100, "step_offset": 100}, "step_offset"),
         ({"total_steps": 0}, "total_steps"),
-        ({"total_steps": 100, "warmup_fraction": 1.0}, "warmup_fraction"),
+        ({"total_steps": 100, "warmup_steps": 100}, "warmup_steps"),
     ],
 )
 def test_optimizer_rejects_bad_schedule(options, message):
@@ -405,7 +405,7 @@ def test_a_few_training_steps_lower_the_loss():
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(8, 1, 8, 8, generator=generator)
     y = (torch.rand(8, 4, generator=generator) < 0.4).float()
-    optimizer, scheduler = fednca_optimizer(model, total_steps=30, lr=3e-3, warmup_fraction=0.0)
+    optimizer, scheduler = fednca_optimizer(model, total_steps=30, lr=3e-3, warmup_steps=0)
     losses = []
     for _ in range(30):
         loss = fednca_loss(model, x, y)

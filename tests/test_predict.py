@@ -42,13 +42,15 @@ def test_a_fednca_model_file_carries_its_etf_and_rebuilds_the_same_model(tmp_pat
 
 def test_a_file_from_before_feature_side_rebuilds_the_one_stage_small_cnn_it_was_trained_with(tmp_path):
     # At 32 px feature-side matters (16x16 map with one stride-2 stage, 8x8 with the default): a card without
-    # the key was written when the small CNN always had one stage.
+    # the key was written when the small CNN always had one stage. Cards of then also hold the retired
+    # fednca.warmup-fraction, which must not stop the file from loading.
     shape = (1, 32, 32)
     cfg = RunConfig.from_run_config({"dataset": "npz:own.npz", "mosaic-grid": 0, "feature-side": 0})
     etf = server_etf(cfg, len(NAMES), shape)
     model = build_model(cfg, len(NAMES), shape, etf=etf).eval()
     card = run_model_card(cfg, NAMES, True, shape)
-    old_card = dataclasses.replace(card, run_config={k: v for k, v in card.run_config.items() if k != "feature-side"})
+    old_run_config = {k: v for k, v in card.run_config.items() if k not in ("feature-side", "fednca.warmup-epochs")}
+    old_card = dataclasses.replace(card, run_config={**old_run_config, "fednca.warmup-fraction": 0.1})
     path = save_model_file(tmp_path / "old.safetensors", model.state_dict(), old_card, etf)
     loaded, _ = load_model_file(path)
     x = torch.rand(2, *shape)

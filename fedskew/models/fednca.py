@@ -400,10 +400,10 @@ def fednca_optimizer(
     lr: float = 1e-4,
     betas: tuple[float, float] = (0.9, 0.98),
     weight_decay: float = 0.01,
-    warmup_fraction: float = 0.1,
+    warmup_steps: int = 0,
     step_offset: int = 0,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW + LambdaLR (linear warm-up over warmup_fraction of total_steps, then linear decay to 0).
+    """AdamW + LambdaLR (linear warm-up over warmup_steps of total_steps, then linear decay to 0).
 
     Weight decay applies only to parameters with >= 2 dims (conv/linear/attention weights and
     learnable queries); biases, norm weights and the ETF scale (all < 2 dims) get none.
@@ -416,8 +416,8 @@ def fednca_optimizer(
     """
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
-    if not 0.0 <= warmup_fraction < 1.0:
-        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    if not isinstance(warmup_steps, int) or not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"warmup_steps must be an int in [0, total_steps={total_steps}), got {warmup_steps!r}")
     if not isinstance(step_offset, int) or not 0 <= step_offset < total_steps:
         raise ValueError(
             f"step_offset must be an int in [0, total_steps={total_steps}), got {step_offset!r}; "
@@ -434,7 +434,6 @@ def fednca_optimizer(
         lr=lr,
         betas=betas,
     )
-    warmup_steps = round(warmup_fraction * total_steps)
 
     def global_schedule(local_step: int) -> float:
         return linear_warmup_decay_factor(step_offset + local_step, warmup_steps, total_steps)
