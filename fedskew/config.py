@@ -34,6 +34,17 @@ DEPLOYED_MAX_MEMORIZATION = 0.05
 FEDERATED_EVALUATION = "federated"  # test-data value: no server test set, the sites' validation metrics
 
 
+# How a run config saved by an earlier version reads today: keys added since, at the value that reproduces the
+# behaviour of then (the small CNN had one stride-2 stage), and keys retired since, which only shaped training.
+ADDED_KEYS_AS_BEFORE = {"feature-side": 0}
+RETIRED_TRAINING_KEYS = ("fednca.warmup-fraction",)  # replaced by fednca.warmup-epochs
+
+
+def current_run_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved flat run config (a model card's, a run's config.json) in today's keys."""
+    return {**ADDED_KEYS_AS_BEFORE, **{k: v for k, v in saved.items() if k not in RETIRED_TRAINING_KEYS}}
+
+
 class ConfigError(ValueError):
     """A run-config value is invalid; the message names the key, the value and what is valid."""
 

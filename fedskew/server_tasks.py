@@ -17,7 +17,7 @@ from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
 from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
-from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind
+from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind, current_run_config
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_site_data
@@ -114,7 +114,7 @@ def resume_point(
     earlier = read_json(previous / "config.json")
     if not isinstance(earlier, dict):
         raise ValueError(f"resume-from: {previous / 'config.json'} is not a run config (a JSON object)")
-    now = cfg.to_run_config()
+    earlier, now = current_run_config(earlier), cfg.to_run_config()
     differing = [f"{k}: {earlier.get(k)!r} -> {now[k]!r}" for k in RESUME_MUST_MATCH if k in now and earlier.get(k) != now[k]]
     if differing:
         raise ValueError("resume-from: these settings differ from the earlier run's: " + "; ".join(differing))

@@ -305,6 +305,23 @@ def test_resuming_with_a_different_partition_is_refused_naming_the_setting(tmp_p
     assert not (recorder.path / "metrics.jsonl").exists()  # nothing adopted from the refused run
 
 
+def test_a_run_saved_before_feature_side_resumes_as_the_one_stage_network_it_trained(tmp_path):
+    # Its config.json has no feature-side (the small CNN then had one stride-2 stage) and still holds the
+    # retired fednca.warmup-fraction: it reads as feature-side 0, so only a run with 0 may continue it.
+    earlier = RunRecorder.create(RunConfig.from_run_config({"method": "fednca"}), multilabel=True, base=tmp_path)
+    earlier.save_checkpoint({"w": torch.ones(2)}, server_round=2)
+    saved = json.loads((earlier.path / "config.json").read_text())
+    del saved["feature-side"], saved["fednca.warmup-epochs"]
+    (earlier.path / "config.json").write_text(json.dumps({**saved, "fednca.warmup-fraction": 0.1}))
+    (earlier.path / "metrics.jsonl").write_text("".join(json.dumps({"round": r}) + "\n" for r in (1, 2)))
+    default = RunConfig.from_run_config({"method": "fednca", "resume-from": str(earlier.path)})
+    with pytest.raises(ValueError, match=r"settings differ from the earlier run's: feature-side: 0 -> 8$"):
+        resume_point(default, RunRecorder.create(default, multilabel=True, base=tmp_path / "a"), {})
+    same = RunConfig.from_run_config({"method": "fednca", "feature-side": 0, "resume-from": str(earlier.path)})
+    done, state = resume_point(same, RunRecorder.create(same, multilabel=True, base=tmp_path / "b"), {"w": torch.zeros(2)})
+    assert done == 2 and torch.equal(state["w"], torch.ones(2))
+
+
 class _LostGrid:
     """A Grid whose SuperLink connection is gone."""
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fedskew.config import RunConfig
+from fedskew.config import RunConfig, current_run_config
 from fedskew.metrics import DEFAULT_THRESHOLD
 
 FORMAT = "fedskew-model/1"
@@ -128,19 +128,13 @@ def weights_only(path: str | Path) -> dict[str, torch.Tensor]:
         return {key: handle.get_tensor(key) for key in handle.keys() if key != ETF_TENSOR}
 
 
-RETIRED_TRAINING_KEYS = ("fednca.warmup-fraction",)  # replaced by fednca.warmup-epochs
-
-
 def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
     """The untrained model a card describes (the same constructors the run used)."""
     # Imported here: the factory classifier pulls in the EDM2 module, which plain runs never need.
     from fedskew.factory.classifier import ExpertEnsemble, build_classifier
     from fedskew.models.build import build_model
 
-    # A file written before `feature-side` existed holds the small CNN of then: one stride-2 stage. Keys
-    # since retired only shaped training (RETIRED_TRAINING_KEYS), so an old card builds without them.
-    kept = {key: value for key, value in card.run_config.items() if key not in RETIRED_TRAINING_KEYS}
-    cfg = RunConfig.from_run_config({"feature-side": 0, **kept})
+    cfg = RunConfig.from_run_config(current_run_config(card.run_config))
     num_classes = len(card.class_names)
     if card.method in ("factory", "factory-p2p"):
         if card.experts:
