@@ -165,6 +165,8 @@ class _Accounted:
             # failures are recorded as in any run.
             self.strategy._count_in(server_round + self.strategy.round_offset, failed)
         replies = [r for r in replies if not r.has_error()]
+        if hasattr(self.strategy, "_screen_updates"):  # a malformed update is refused before it is clipped
+            replies = self.strategy._screen_updates(server_round + self.strategy.round_offset, replies)
         for reply in replies:
             reply.content["arrays"] = keep_counters(reply.content["arrays"], self.sent)
         clipped_at = self.clipping_norm

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from flwr.common.constant import SType
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from PIL import Image
@@ -445,3 +446,74 @@ def test_an_npz_with_five_channels_is_refused(tmp_path):
              class_names=np.array([str(k) for k in range(10)]))  # fmt: skip
     with pytest.raises(SiteFolderError, match=r"site.npz: .*'train_images' has shape \(4, 8, 8, 5\); .*C = 1 \(grey\) or 3 \(RGB\)"):
         read_labelled_folder(tmp_path, multilabel=False)
+
+
+# --- a federated round's training replies (FedAvg, FedNCA-ML, SCAFFOLD and the others) ---------------------
+
+def _model_record(weight: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((2, 3), weight, np.float32), "bn.num_batches_tracked": np.array(5, np.int64)}
+
+
+def _update(arrays: dict[str, np.ndarray], **metrics) -> RecordDict:
+    return RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                       "metrics": MetricRecord({"num-examples": 10, **metrics})})  # fmt: skip
+
+
+def _damaged_bytes() -> RecordDict:
+    content = _update(_model_record(9.0))
+    content["arrays"]["w"] = Array(dtype="float32", shape=(2, 3), stype=SType.NUMPY, data=b"\x00\x01")
+    return content
+
+
+HOSTILE_UPDATES = {
+    "NaN weights": (_update({**_model_record(9.0), "w": np.full((2, 3), np.nan, np.float32)}), "NaN or infinite"),
+    "a wrong shape": (_update({**_model_record(9.0), "w": np.zeros((3, 2), np.float32)}), r"shape \(3, 2\)"),
+    "a missing array": (_update({"w": np.zeros((2, 3), np.float32)}), r"missing \['bn.num_batches_tracked'\]"),
+    "an unknown array": (_update({**_model_record(9.0), "extra": np.zeros(1, np.float32)}), r"unknown \['extra'\]"),
+    "a huge weight": (_update(_model_record(9.0), **{"num-examples": math.inf}), "finite number > 0"),
+    "a negative weight": (_update(_model_record(9.0), **{"num-examples": -10}), "finite number > 0"),
+    "no weight": (RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in _model_record(9.0).items()}),
+                              "metrics": MetricRecord({"loss": 1.0})}), "'num-examples' must be"),  # fmt: skip
+    "a second ArrayRecord": (RecordDict({**dict(_update(_model_record(9.0)).items()), "more": ArrayRecord()}), "one ArrayRecord"),
+    "damaged bytes": (_damaged_bytes(), "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fednca", "scaffold"])
+@pytest.mark.parametrize("case", list(HOSTILE_UPDATES), ids=list(HOSTILE_UPDATES))
+def test_a_malformed_training_update_is_refused_and_the_round_averages_the_others(tmp_path, capsys, method, case):
+    # Two honest sites (weights 1 and 3, 10 examples each) and one hostile: the average is exactly 2, as
+    # if the hostile site had dropped out, and the refusal names the site, the round and what was wrong.
+    from fedskew.strategies import build_strategy
+    from fedskew.strategies.fednca import FedNCA
+    from test_privacy import SitesOnline
+
+    cfg = RunConfig.from_run_config({"method": method})
+    model = torch.nn.Linear(3, 2, bias=False)
+    etf = torch.eye(2)
+    strategy = build_strategy(cfg, 3, model, etf=etf)
+    strategy.attach(RunRecorder.create(cfg, multilabel=True, base=tmp_path))
+    sent = ArrayRecord({k: Array(v) for k, v in _model_record(0.0).items()})
+    outgoing = strategy.configure_train(1, sent, ConfigRecord(), SitesOnline(3))
+    hostile_content, reason = HOSTILE_UPDATES[case]
+    echo = {"etf-crc32": strategy.etf_crc32} if isinstance(strategy, FedNCA) else {}
+
+    def honest_reply(weight: float, to: Message) -> Message:
+        arrays = _model_record(weight)
+        if method == "scaffold":
+            arrays["scaffold-control-delta.weight"] = np.zeros((2, 3), np.float32)
+        return Message(_update(arrays, **echo), reply_to=to)
+
+    if method == "scaffold":  # its replies carry the control deltas as well; give the hostile one them too
+        hostile_arrays = hostile_content["arrays"] if list(hostile_content.array_records) == ["arrays"] else None
+        if hostile_arrays is not None and case != "an unknown array":
+            hostile_arrays["scaffold-control-delta.weight"] = Array(np.zeros((2, 3), np.float32))
+    replies = [honest_reply(1.0, outgoing[0]), honest_reply(3.0, outgoing[1]), Message(hostile_content, reply_to=outgoing[2])]
+    arrays, _ = strategy.aggregate_train(1, replies)
+
+    averaged = arrays.to_torch_state_dict()
+    assert torch.equal(averaged["w"], torch.full((2, 3), 2.0))
+    (dropped,) = strategy.recorder.dropped
+    assert dropped["site"] == str(outgoing[2].metadata.dst_node_id) and dropped["round"] == 1
+    assert re.search(reason, dropped["reason"]) and "round 1 update refused" in dropped["reason"]
+    assert dropped["reason"] in capsys.readouterr().out

@@ -23,11 +23,10 @@ class ServerCorrection(RecordingMixin, FedAvg):
     num_sites: int
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        replies = list(replies)
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is None:
             return arrays, metrics
-        participation = sum(not msg.has_error() for msg in replies) / self.num_sites
+        participation = self.accepted_updates / self.num_sites  # sites whose update went into the average
         return ArrayRecord(self.corrected(arrays.to_torch_state_dict(), participation)), metrics
 
     def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:
@@ -56,6 +55,10 @@ class Scaffold(ServerCorrection):
             else msg
             for msg in messages
         ]
+
+    def reply_layout(self):
+        deltas = {SCAFFOLD_DELTA_PREFIX + name: (tuple(value.shape), "f") for name, value in self.control.items()}
+        return {**super().reply_layout(), **deltas}
 
     def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:
         mean_delta = {k.removeprefix(SCAFFOLD_DELTA_PREFIX): v for k, v in averaged.items() if k.startswith(SCAFFOLD_DELTA_PREFIX)}

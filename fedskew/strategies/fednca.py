@@ -39,7 +39,8 @@ class FedNCA(RecordingMixin, FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         replies = list(replies)
-        echoed = [int(m.content["metrics"]["etf-crc32"]) for m in replies if not m.has_error()]
+        # Read before the replies are screened: a reply without the echo counts as trained on another ETF.
+        echoed = [m.content.metric_records.get("metrics", {}).get("etf-crc32") for m in replies if not m.has_error()]
         mismatched = sum(crc != self.etf_crc32 for crc in echoed)
         if mismatched:
             log(WARNING, "round %d: %d site(s) trained against an ETF that differs from the server's", server_round, mismatched)

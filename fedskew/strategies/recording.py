@@ -4,10 +4,11 @@ which sites failed in each round (with their reason)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -38,6 +39,43 @@ def summed_counts(reported: dict[str, object], shape: tuple[int, ...]) -> tuple[
     return (total if len(refused) < len(reported) else None), refused
 
 
+Layout = dict[str, tuple[tuple[int, ...], str]]  # array name -> (shape, numpy dtype kind)
+
+
+def arrays_layout(arrays: ArrayRecord) -> Layout:
+    """The names, shapes and dtype kinds ('f' float, 'i' int, ...) of the arrays in a record."""
+    return {name: (tuple(array.shape), np.dtype(array.dtype).kind) for name, array in arrays.items()}
+
+
+def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str | None:
+    """Why a site's training reply cannot be averaged into the model, or None when it can: it must hold one
+    ArrayRecord `arrays` with exactly the arrays of `layout` (same shapes and dtype kinds, float values
+    finite) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
+    anything else (a bug, a damaged message or a forged one) would otherwise abort the round in Flower's
+    averaging, or poison the model with NaN or a huge weight."""
+    if list(content.array_records) != ["arrays"] or list(content.metric_records) != ["metrics"]:
+        return (f"expected one ArrayRecord 'arrays' and one MetricRecord 'metrics', found ArrayRecords "
+                f"{sorted(content.array_records)} and MetricRecords {sorted(content.metric_records)}")
+    arrays = content["arrays"]
+    missing, unknown = sorted(layout.keys() - arrays.keys()), sorted(arrays.keys() - layout.keys())
+    if missing or unknown:
+        return (f"its arrays are not the model's: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    for name, (shape, kind) in layout.items():
+        try:
+            value = arrays[name].numpy()
+        except Exception as exc:  # any damage to the serialised bytes: refuse the reply, never the round
+            return f"array '{name}' cannot be read ({type(exc).__name__}: {exc})"
+        if value.shape != shape or value.dtype.kind != kind:
+            return f"array '{name}' has shape {value.shape} and dtype {value.dtype}; the model's has shape {shape}, kind '{kind}'"
+        if kind == "f" and not np.isfinite(value).all():
+            return f"array '{name}' holds NaN or infinite values"
+    weight = content["metrics"].get(weight_key)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        return f"metric '{weight_key}' must be a finite number > 0, found {weight!r}"
+    return None
+
+
 def payload_nbytes(message: Message) -> int:
     """Size of the message content as Flower serialises it for the wire."""
     return recorddict_to_proto(message.content).ByteSize() if message.has_content() else 0
@@ -65,6 +103,8 @@ class RecordingMixin:
         self.counts_shape = counts_shape
         self.destinations: dict[str, int] = {}
         self.last_train_metrics, self.last_val_metrics, self.last_val_counts = {}, {}, None
+        self.sent_layout: Layout = {}
+        self.accepted_updates = 0
 
     def _count_out(self, messages: Iterable[Message]) -> list[Message]:
         messages = [msg for msg in messages if msg.metadata.dst_node_id not in self.refused]
@@ -93,14 +133,36 @@ class RecordingMixin:
         return messages
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        self.sent_layout = arrays_layout(arrays)
         return self._count_out(self.extend_messages(super().configure_train(server_round + self.round_offset, arrays, config, grid)))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self._count_out(self.extend_messages(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)))
 
+    def reply_layout(self) -> Layout:
+        """The arrays a site's training reply must hold: the model sent (SCAFFOLD adds its control deltas)."""
+        return self.sent_layout
+
+    def _screen_updates(self, server_round: int, replies: list[Message]) -> list[Message]:
+        """Replies that cannot be averaged (`update_problem`) are recorded as dropped, with the reason, and
+        left out; the round goes on with the others."""
+        kept = []
+        self.accepted_updates = 0
+        for reply in replies:
+            problem = None if reply.has_error() else update_problem(reply.content, self.reply_layout(), self.weighted_by_key)
+            if problem is None:
+                kept.append(reply)
+                self.accepted_updates += not reply.has_error()
+                continue
+            reason = f"site {self._site_of(reply)}: round {server_round} update refused: {problem}"
+            print(reason, flush=True)
+            self.recorder.record_dropout(server_round, self._site_of(reply), reason)
+        return kept
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
-        arrays, metrics = super().aggregate_train(server_round, self._count_in(server_round, replies))
+        replies = self._screen_updates(server_round, self._count_in(server_round, replies))
+        arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics = dict(metrics) if metrics is not None else {}
         return arrays, metrics
 
