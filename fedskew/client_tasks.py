@@ -273,6 +273,7 @@ def train_site(
 
 # What a multi-label validation report carries: per-class tp/fp/fn counts at every counted threshold.
 VAL_COUNTS_KEY = "val-threshold-counts"
+SINGLE_LABEL_VAL_KEYS = ("val_accuracy", "val_balanced_accuracy")
 
 
 def validation_report(
@@ -288,7 +289,7 @@ def validation_report(
         y_true, probs = predict(model, make_loader(images, labels, EVAL_BATCH_SIZE, shuffle=False), device, multilabel=True)
         return {VAL_COUNTS_KEY: threshold_counts(y_true, probs, counted_thresholds(threshold)).ravel().tolist()}
     metrics = evaluate(model, images, labels, device=device)
-    return {f"val_{k}": float(metrics[k]) for k in ("accuracy", "balanced_accuracy")}
+    return {key: float(metrics[key.removeprefix("val_")]) for key in SINGLE_LABEL_VAL_KEYS}
 
 
 def evaluate_site(cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], etf: np.ndarray | None = None) -> dict:

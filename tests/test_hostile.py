@@ -517,3 +517,37 @@ def test_a_malformed_training_update_is_refused_and_the_round_averages_the_other
     assert dropped["site"] == str(outgoing[2].metadata.dst_node_id) and dropped["round"] == 1
     assert re.search(reason, dropped["reason"]) and "round 1 update refused" in dropped["reason"]
     assert dropped["reason"] in capsys.readouterr().out
+
+
+def _report(**metrics) -> RecordDict:
+    return RecordDict({"metrics": MetricRecord({"val_accuracy": 0.5, "val_balanced_accuracy": 0.5, "num-examples": 10,
+                                                "unit-weight": 1, **metrics})})  # fmt: skip
+
+
+HOSTILE_REPORTS = {
+    "an accuracy above 1": (_report(val_accuracy=5.0), r"'val_accuracy' must be a number in \[0, 1\]"),
+    "a NaN accuracy": (_report(val_accuracy=math.nan), r"'val_accuracy' must be a number in \[0, 1\]"),
+    "no weight": (RecordDict({"metrics": MetricRecord({"val_accuracy": 0.5, "val_balanced_accuracy": 0.5})}), "must be a finite number > 0"),
+    "an extra metric": (_report(val_loss=0.1), r"its metrics are \["),
+    "arrays as well": (RecordDict({**dict(_report().items()), "arrays": ArrayRecord()}), "expected only a MetricRecord"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_REPORTS), ids=list(HOSTILE_REPORTS))
+def test_a_malformed_validation_report_is_refused_and_the_others_are_averaged(tmp_path, case):
+    # Two honest single-label sites report accuracy 0.6 and 1.0 on 10 examples each: 0.8 whatever the third sent.
+    from fedskew.strategies import build_strategy
+    from test_privacy import SitesOnline
+
+    cfg = RunConfig.from_run_config({"method": "fedavg", "dataset": "digits", "mosaic-grid": 0, "partition": "iid"})
+    strategy = build_strategy(cfg, 3, torch.nn.Linear(1, 1))
+    strategy.attach(RunRecorder.create(cfg, multilabel=False, base=tmp_path))
+    sent = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    outgoing = strategy.configure_evaluate(1, sent, ConfigRecord(), SitesOnline(3))
+    hostile, reason = HOSTILE_REPORTS[case]
+    replies = [Message(_report(val_accuracy=0.6), reply_to=outgoing[0]), Message(_report(val_accuracy=1.0), reply_to=outgoing[1]),
+               Message(hostile, reply_to=outgoing[2])]  # fmt: skip
+    metrics = strategy.aggregate_evaluate(1, replies)
+    assert metrics["val_accuracy"] == pytest.approx(0.8)
+    (dropped,) = strategy.recorder.dropped
+    assert re.search(reason, dropped["reason"]) and "round 1 validation report refused" in dropped["reason"]

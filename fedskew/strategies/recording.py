@@ -13,7 +13,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedskew.client_tasks import VAL_COUNTS_KEY
+from fedskew.client_tasks import SINGLE_LABEL_VAL_KEYS, VAL_COUNTS_KEY
 from fedskew.results import RunRecorder
 
 
@@ -70,9 +70,36 @@ def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str 
             return f"array '{name}' has shape {value.shape} and dtype {value.dtype}; the model's has shape {shape}, kind '{kind}'"
         if kind == "f" and not np.isfinite(value).all():
             return f"array '{name}' holds NaN or infinite values"
-    weight = content["metrics"].get(weight_key)
+    return weight_problem(content["metrics"], weight_key)
+
+
+def weight_problem(metrics: MetricRecord, key: str) -> str | None:
+    weight = metrics.get(key)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-        return f"metric '{weight_key}' must be a finite number > 0, found {weight!r}"
+        return f"metric '{key}' must be a finite number > 0, found {weight!r}"
+    return None
+
+
+def report_problem(content: RecordDict, weight_keys: Iterable[str], multilabel: bool) -> str | None:
+    """Why a site's validation reply cannot be averaged, or None when it can: one MetricRecord `metrics` and
+    nothing else, the weights finite and > 0, and the validation report's keys: the threshold counts
+    (multi-label; checked when summed) or accuracies in [0, 1] (single-label). Flower's averaging would
+    otherwise abort the round, or let one site's value stand for all."""
+    if list(content.array_records) or list(content.config_records) or list(content.metric_records) != ["metrics"]:
+        return (f"expected only a MetricRecord 'metrics', found ArrayRecords {sorted(content.array_records)}, "
+                f"ConfigRecords {sorted(content.config_records)}, MetricRecords {sorted(content.metric_records)}")
+    metrics = content["metrics"]
+    for key in weight_keys:
+        if (problem := weight_problem(metrics, key)) is not None:
+            return problem
+    report_keys = (VAL_COUNTS_KEY,) if multilabel else SINGLE_LABEL_VAL_KEYS
+    unexpected = sorted(set(metrics) - set(report_keys) - {EXAMPLES_KEY, "unit-weight"})
+    if unexpected or any(key not in metrics for key in report_keys):
+        return f"its metrics are {sorted(metrics)}; a validation report holds {sorted(report_keys)} and the weights"
+    for key in () if multilabel else report_keys:
+        value = metrics[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            return f"metric '{key}' must be a number in [0, 1], found {value!r}"
     return None
 
 
@@ -144,17 +171,21 @@ class RecordingMixin:
         return self.sent_layout
 
     def _screen_updates(self, server_round: int, replies: list[Message]) -> list[Message]:
-        """Replies that cannot be averaged (`update_problem`) are recorded as dropped, with the reason, and
-        left out; the round goes on with the others."""
+        """Training replies that cannot be averaged (`update_problem`) are recorded as dropped, with the
+        reason, and left out; the round goes on with the others."""
+        kept = self._screened(server_round, replies, "update", lambda content: update_problem(
+            content, self.reply_layout(), self.weighted_by_key))
+        self.accepted_updates = sum(not reply.has_error() for reply in kept)
+        return kept
+
+    def _screened(self, server_round: int, replies: list[Message], what: str, problem_of) -> list[Message]:
         kept = []
-        self.accepted_updates = 0
         for reply in replies:
-            problem = None if reply.has_error() else update_problem(reply.content, self.reply_layout(), self.weighted_by_key)
+            problem = None if reply.has_error() else problem_of(reply.content)
             if problem is None:
                 kept.append(reply)
-                self.accepted_updates += not reply.has_error()
                 continue
-            reason = f"site {self._site_of(reply)}: round {server_round} update refused: {problem}"
+            reason = f"site {self._site_of(reply)}: round {server_round} {what} refused: {problem}"
             print(reason, flush=True)
             self.recorder.record_dropout(server_round, self._site_of(reply), reason)
         return kept
@@ -168,7 +199,10 @@ class RecordingMixin:
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.round_offset
-        replies = self._sum_counts(server_round, self._count_in(server_round, replies))
+        weights = {self.weighted_by_key, EXAMPLES_KEY}
+        replies = self._screened(server_round, self._count_in(server_round, replies), "validation report",
+                                 lambda content: report_problem(content, weights, self.counts_shape is not None))
+        replies = self._sum_counts(server_round, replies)
         metrics = super().aggregate_evaluate(server_round, replies)
         if metrics is not None and self.weighted_by_key != EXAMPLES_KEY:
             # Validation metrics pick the best round: always weighted by examples, whatever the model averaging.
