@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -48,10 +49,13 @@ import numpy as np
 import torch
 
 from bench.compare import summarise
+from fedskew import client_tasks
 from fedskew.client_tasks import local_optimisation, train_site
 from fedskew.config import RunConfig
+from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.models import backbones
+from fedskew.models import fednca as fednca_model
 from fedskew.models.build import build_model, server_etf
 from fedskew.metrics import THRESHOLD_GRID, choose_threshold, multilabel_metrics, threshold_counts
 from fedskew.training import evaluate, make_loader, predict, train_local
@@ -121,6 +125,24 @@ TRIALS = [
     ("fednca-e1-r60-m0.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-momentum": 0.5}),
     ("fednca-e1-r60-m0.9", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-momentum": 0.9}),
     ("fednca-e1-r60-warmup0.5ep", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.warmup-epochs": 0.5}),
+    ("fednca-e1-r60-decay0.2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.2}),
+    ("fednca-e1-r60-decay0.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.5}),
+    ("fednca-e1-r60-no-regularisers", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.regularisers": False}),
+    ("fednca-e1-r60-no-ladm", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.ladm": False}),
+    ("fednca-e1-r60-6000-images", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.train-images": 6000}),
+    ("centralized-e1-r60-6000-images", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.train-images": 6000}),
+    ("fednca-e1-r60-width16", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 16}),
+    ("centralized-e1-r60-width16", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 16}),
+    ("fednca-e1-r60-width48", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 48}),
+    ("centralized-e1-r60-width48", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 48}),
+    ("fednca-e1-r60-reject-all", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.rejection-scope": "all"}),
+    ("fednca-e1-r60-iid", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "partition": "iid"}),
+    ("fednca-e1-r60-fedadam0.01", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-adam-lr": 0.01}),
+    ("fednca-e1-r60-fedadam0.003", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-adam-lr": 0.003}),
+    ("fednca-e1-r60-sgd0.05", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.05, "bench.local-sgd": True}),
+    ("fednca-e1-r60-sgd0.2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.2, "bench.local-sgd": True}),
+    ("fednca-e1-r60-sgd0.02", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.02, "bench.local-sgd": True}),
+    ("centralized-e1-r60-decay0.2", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.2}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -171,7 +193,8 @@ class DictStore:
         self.tensors[name] = dict(tensors)
 
 
-def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0) -> dict:
+def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
+                server_adam_lr: float = 0.0) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging."""
@@ -199,7 +222,10 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             for k, site in enumerate(sites)
         ]
         averaged = federated_average(updates)
-        state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names)
+        if server_adam_lr:
+            state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names)
+        else:
+            state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
         trace["val_auc_by_round"].append(probe(model))
     site_model = copy.deepcopy(model)
@@ -230,6 +256,27 @@ def momentum_step(
         new_velocity[name] = step
         new_weights[name] = (global_weights[name].double() + step).to(averaged[name].dtype)
     return new_weights, new_velocity
+
+
+def server_adam_step(
+    global_weights: dict[str, torch.Tensor],
+    averaged: dict[str, torch.Tensor],
+    moments: dict[str, torch.Tensor],
+    lr: float,
+    parameter_names: Iterable[str],
+    betas: tuple[float, float] = (0.9, 0.99),
+    tau: float = 1e-3,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FedAdam (Reddi et al. 2021, arXiv:2003.00295): Adam on the pseudo-gradient (average - global) with
+    their tau and betas; only trainable parameters, BatchNorm statistics take the average."""
+    new_weights, new_moments = dict(averaged), {}
+    for name in parameter_names:
+        delta = averaged[name].double() - global_weights[name].double()
+        m = betas[0] * moments.get(f"{name}.m", torch.zeros_like(delta)) + (1 - betas[0]) * delta
+        v = betas[1] * moments.get(f"{name}.v", torch.zeros_like(delta)) + (1 - betas[1]) * delta**2
+        new_moments[f"{name}.m"], new_moments[f"{name}.v"] = m, v
+        new_weights[name] = (global_weights[name].double() + lr * m / (v.sqrt() + tau)).to(averaged[name].dtype)
+    return new_weights, new_moments
 
 
 @torch.no_grad()
@@ -295,19 +342,67 @@ def group_norm_block(in_channels: int, out_channels: int, stride: int = 1) -> to
     )
 
 
+def hold_then_decay(decay_share: float):
+    """The FedNCA-ML lr multiplier with the peak held after the warm-up and the linear decay to 0 over only
+    the last `decay_share` of the post-warm-up steps (1.0 is the default schedule)."""
+    def factor(global_step: int, warmup_steps: int, total_steps: int) -> float:
+        decay_steps = max(1, round(decay_share * (total_steps - warmup_steps)))
+        if global_step >= total_steps:
+            return 0.0
+        if global_step < warmup_steps:
+            return (global_step + 1) / warmup_steps
+        return min(1.0, (total_steps - global_step) / decay_steps)
+    return factor
+
+
+def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
+    """`bench.local-sgd`: FedNCA-ML's optimiser with SGD (momentum 0.9, the AdamW schedule, weight decay 5e-4 on
+    the parameters AdamW decays: coupled L2 at an SGD lr would be ~20x AdamW's 0.01) in place of AdamW;
+    `fednca.lr` is then the SGD learning rate."""
+    adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
+    optimizer = torch.optim.SGD([{"params": group["params"], "weight_decay": 5e-4 if group["weight_decay"] else 0.0}
+                                 for group in adamw.param_groups], lr=lr, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+
+
+def clear_dataset_caches() -> None:
+    """Forget the data sets and partitions loaded so far (a `bench.train-images` trial draws another set)."""
+    site_data._load_task_dataset.cache_clear()
+    site_data._load_partition.cache_clear()
+
+
 @contextlib.contextmanager
 def bench_options(options: dict):
-    """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm."""
-    unknown = set(options) - {"bench.norm", "bench.server-momentum"}
-    if unknown:
-        raise ValueError(f"unknown bench options {sorted(unknown)}; valid: bench.norm, bench.server-momentum")
-    original = backbones.conv_bn_relu
+    """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm,
+    `bench.decay-share` holds the peak lr and decays over that share of the schedule only, `bench.train-images`
+    draws a generated data set with that many training images instead of its default, `bench.width` sets the
+    small CNN's first-stage channels (32; the later stages have twice as many)."""
+    valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
+             "bench.server-adam-lr", "bench.local-sgd"}
+    if set(options) - valid:
+        raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
+    original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
+    original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
+    original_optimizer = client_tasks.fednca_optimizer
+    if options.get("bench.local-sgd"):
+        client_tasks.fednca_optimizer = sgd_with_fednca_schedule
+    if "bench.width" in options:
+        backbones.SmallCNN = functools.partial(original_cnn, width=options["bench.width"])
+    if "bench.train-images" in options:
+        sizes = (options["bench.train-images"], synthetic.SPLIT_SIZES[1])
+        synthetic.load_synthetic = functools.partial(original_loader, sizes=sizes)
+    clear_dataset_caches()
     if options.get("bench.norm") == "group":
         backbones.conv_bn_relu = group_norm_block
+    if "bench.decay-share" in options:
+        fednca_model.linear_warmup_decay_factor = hold_then_decay(options["bench.decay-share"])
     try:
         yield
     finally:
-        backbones.conv_bn_relu = original
+        backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
+        synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
+        client_tasks.fednca_optimizer = original_optimizer
+        clear_dataset_caches()
 
 
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
@@ -321,9 +416,12 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     val_labels = np.concatenate([s.val_labels for s in sites])
 
     def probe(trained: torch.nn.Module) -> float:
+        if not all(torch.isfinite(t).all() for t in trained.state_dict().values() if t.is_floating_point()):
+            raise FloatingPointError("the global weights are no longer finite")
         return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
 
-    trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0))
+    trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
+                        options.get("bench.server-adam-lr", 0.0))
     return {**diagnose(model, sites, data), **trace}
 
 
@@ -444,7 +542,10 @@ def run_missing_trials(args, seed: int, dataset: str, wanted: set[str] | None, l
         cfg = trial_config(dataset, method, overrides, args, seed)
         options = {k: v for k, v in overrides.items() if k.startswith("bench.")}
         with bench_options(options):
-            scores = run_trial(cfg, args.site_fraction, options)
+            try:
+                scores = run_trial(cfg, args.site_fraction, options)
+            except FloatingPointError as diverged:  # a setting that diverges is a result (F1 0: nothing predicted)
+                scores = {"diverged": str(diverged), "val": 0.0, "test": 0.0}
         row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
                "rounds": cfg.num_server_rounds, "local_epochs": cfg.local_epochs, "site_fraction": args.site_fraction,
                "seed": seed, "cpu_seconds": round(time.process_time() - start, 1)}
