@@ -268,7 +268,9 @@ def server_adam_step(
     tau: float = 1e-3,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """FedAdam (Reddi et al. 2021, arXiv:2003.00295): Adam on the pseudo-gradient (average - global) with
-    their tau and betas; only trainable parameters, BatchNorm statistics take the average."""
+    their tau and betas; only trainable parameters, BatchNorm statistics take the average. Written here
+    because Flower's FedAdam (`method = "fedadam"` in a run) works on Messages, not on the in-process rounds
+    of this search, and moves the BatchNorm statistics with Adam too."""
     new_weights, new_moments = dict(averaged), {}
     for name in parameter_names:
         delta = averaged[name].double() - global_weights[name].double()
