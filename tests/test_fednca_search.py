@@ -12,11 +12,14 @@ import torch
 from bench.fednca_search import (
     bench_options,
     federated_average,
+    hold_then_decay,
     momentum_step,
     table,
     recalibrated_batchnorm,
     validation_threshold,
 )
+from fedskew.config import RunConfig
+from fedskew.data.sites import load_task_dataset
 from fedskew.models import backbones
 
 
@@ -54,9 +57,25 @@ def test_groupnorm_option_swaps_the_small_cnn_norm_only_inside_the_block():
     assert any(isinstance(m, torch.nn.GroupNorm) for m in inside.modules())
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in inside.modules())
     assert any(isinstance(m, torch.nn.BatchNorm2d) for m in outside.modules())
-    with pytest.raises(ValueError, match="bench.width"):
-        with bench_options({"bench.width": 2}):
+    with pytest.raises(ValueError, match="bench.depth"):
+        with bench_options({"bench.depth": 2}):
             pass
+
+
+def test_hold_then_decay_holds_the_peak_and_decays_over_the_last_share_only():
+    # 10 warm-up steps of 110; share 0.2 of the 100 after warm-up: linear from 1 to 0 over steps 90..110.
+    factor = hold_then_decay(0.2)
+    assert [factor(s, 10, 110) for s in (0, 9, 50, 90, 100, 109, 110)] == pytest.approx([0.1, 1.0, 1.0, 1.0, 0.5, 0.05, 0.0])
+    assert hold_then_decay(1.0)(60, 10, 110) == pytest.approx(0.5)  # share 1: the default schedule
+
+
+def test_width_and_train_images_options_apply_only_inside_the_block():
+    cfg = RunConfig.from_run_config({"dataset": "shapes-multi", "image-size": 16, "mosaic-grid": 0, "partition": "iid"})
+    with bench_options({"bench.width": 8, "bench.train-images": 300}):
+        assert backbones.build_backbone("small-cnn", 3, 16).feature_dim == 16
+        assert len(load_task_dataset(cfg).train_labels) == 300
+    assert backbones.build_backbone("small-cnn", 3, 16).feature_dim == 64
+    assert len(load_task_dataset(cfg).train_labels) == 2000
 
 
 def test_server_momentum_accumulates_the_averages_steps_and_leaves_batchnorm_statistics_averaged():

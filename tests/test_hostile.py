@@ -468,6 +468,7 @@ def _damaged_bytes() -> RecordDict:
 HOSTILE_UPDATES = {
     "NaN weights": (_update({**_model_record(9.0), "w": np.full((2, 3), np.nan, np.float32)}), "NaN or infinite"),
     "a wrong shape": (_update({**_model_record(9.0), "w": np.zeros((3, 2), np.float32)}), r"shape \(3, 2\)"),
+    "text for numbers": (_update({**_model_record(9.0), "w": np.full((2, 3), "x")}), "real numbers"),
     "a missing array": (_update({"w": np.zeros((2, 3), np.float32)}), r"missing \['bn.num_batches_tracked'\]"),
     "an unknown array": (_update({**_model_record(9.0), "extra": np.zeros(1, np.float32)}), r"unknown \['extra'\]"),
     "a huge weight": (_update(_model_record(9.0), **{"num-examples": math.inf}), "finite number > 0"),
@@ -551,3 +552,12 @@ def test_a_malformed_validation_report_is_refused_and_the_others_are_averaged(tm
     assert metrics["val_accuracy"] == pytest.approx(0.8)
     (dropped,) = strategy.recorder.dropped
     assert re.search(reason, dropped["reason"]) and "round 1 validation report refused" in dropped["reason"]
+
+
+def test_an_integer_counter_answering_its_averaged_float_is_accepted():
+    # After one average the server sends BatchNorm's step counter as a float; a site's model holds it as an
+    # int64 and sends that back: the same array, not a malformed one.
+    from fedskew.strategies.recording import arrays_layout, update_problem
+
+    sent = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)), "bn.num_batches_tracked": Array(np.array(5.0))})
+    assert update_problem(_update(_model_record(1.0)), arrays_layout(sent), "num-examples") is None

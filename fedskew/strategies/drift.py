@@ -57,7 +57,7 @@ class Scaffold(ServerCorrection):
         ]
 
     def reply_layout(self):
-        deltas = {SCAFFOLD_DELTA_PREFIX + name: (tuple(value.shape), "f") for name, value in self.control.items()}
+        deltas = {SCAFFOLD_DELTA_PREFIX + name: tuple(value.shape) for name, value in self.control.items()}
         return {**super().reply_layout(), **deltas}
 
     def corrected(self, averaged: dict[str, torch.Tensor], participation: float) -> dict[str, torch.Tensor]:

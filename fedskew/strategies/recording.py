@@ -39,18 +39,18 @@ def summed_counts(reported: dict[str, object], shape: tuple[int, ...]) -> tuple[
     return (total if len(refused) < len(reported) else None), refused
 
 
-Layout = dict[str, tuple[tuple[int, ...], str]]  # array name -> (shape, numpy dtype kind)
+Layout = dict[str, tuple[int, ...]]  # array name -> shape
 
 
 def arrays_layout(arrays: ArrayRecord) -> Layout:
-    """The names, shapes and dtype kinds ('f' float, 'i' int, ...) of the arrays in a record."""
-    return {name: (tuple(array.shape), np.dtype(array.dtype).kind) for name, array in arrays.items()}
+    """The names and shapes of the arrays in a record."""
+    return {name: tuple(array.shape) for name, array in arrays.items()}
 
 
 def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str | None:
     """Why a site's training reply cannot be averaged into the model, or None when it can: it must hold one
-    ArrayRecord `arrays` with exactly the arrays of `layout` (same shapes and dtype kinds, float values
-    finite) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
+    ArrayRecord `arrays` with exactly the arrays of `layout` (same shapes, real numbers, float values
+    finite; integer or float either way, since the average of a site's integer counter arrives as a float) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
     anything else (a bug, a damaged message or a forged one) would otherwise abort the round in Flower's
     averaging, or poison the model with NaN or a huge weight."""
     if list(content.array_records) != ["arrays"] or list(content.metric_records) != ["metrics"]:
@@ -61,14 +61,14 @@ def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str 
     if missing or unknown:
         return (f"its arrays are not the model's: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
                 f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-    for name, (shape, kind) in layout.items():
+    for name, shape in layout.items():
         try:
             value = arrays[name].numpy()
         except Exception as exc:  # any damage to the serialised bytes: refuse the reply, never the round
             return f"array '{name}' cannot be read ({type(exc).__name__}: {exc})"
-        if value.shape != shape or value.dtype.kind != kind:
-            return f"array '{name}' has shape {value.shape} and dtype {value.dtype}; the model's has shape {shape}, kind '{kind}'"
-        if kind == "f" and not np.isfinite(value).all():
+        if value.shape != shape or value.dtype.kind not in "fiu":
+            return f"array '{name}' has shape {value.shape} and dtype {value.dtype}; the model's has shape {shape}, real numbers"
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
             return f"array '{name}' holds NaN or infinite values"
     return weight_problem(content["metrics"], weight_key)
 
