@@ -137,6 +137,8 @@ TRIALS = [
     ("centralized-e1-r60-width48", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 48}),
     ("fednca-e1-r60-lr5e-3", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 5e-3}),
     ("fednca-e1-r60-lr2e-3", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 2e-3}),
+    ("centralized-e1-r60-lr5e-3", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 5e-3}),
+    ("centralized-e1-r60-lr2e-3", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 2e-3}),
     ("fednca-e1-r60-reject-all", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.rejection-scope": "all"}),
     ("fednca-e1-r60-iid", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "partition": "iid"}),
     ("fednca-e1-r60-fedadam0.01", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-adam-lr": 0.01}),
