@@ -50,7 +50,8 @@ def arrays_layout(arrays: ArrayRecord) -> Layout:
 def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str | None:
     """Why a site's training reply cannot be averaged into the model, or None when it can: it must hold one
     ArrayRecord `arrays` with exactly the arrays of `layout` (same shapes, real numbers, float values
-    finite; integer or float either way, since the average of a site's integer counter arrives as a float) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
+    finite; integer or float either way, since the average of a site's integer counter arrives as a
+    float) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
     anything else (a bug, a damaged message or a forged one) would otherwise abort the round in Flower's
     averaging, or poison the model with NaN or a huge weight."""
     if list(content.array_records) != ["arrays"] or list(content.metric_records) != ["metrics"]:
