@@ -28,6 +28,8 @@ from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_los
 from fedskew.metrics import counted_thresholds, threshold_counts
 from fedskew.training import EVAL_BATCH_SIZE, classification_loss, evaluate, make_loader, pick_device, predict, sgd, train_local
 
+UNIT_WEIGHT_KEY = "unit-weight"  # reported as 1 with every reply: the weight of an unweighted average
+
 
 def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
     """The site's own data: its folder (node config data-dir) or its simulated partition share
@@ -255,7 +257,7 @@ def train_site(
         "train_loss": stats["train_loss"],
         "train_seconds": stats["train_seconds"],
         "num-examples": stats["num_examples"],
-        "unit-weight": 1,
+        UNIT_WEIGHT_KEY: 1,
     }
     if cfg.method in PLAIN_SGD_METHODS:
         # Averaged by the server: the share of sites that found their state from the previous round.
@@ -296,4 +298,4 @@ def evaluate_site(cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor]
     """Global model on the site's local validation split: its validation report and example count."""
     model = _site_model(cfg, site, state, etf)
     report = validation_report(model, site.val_images, site.val_labels, device=pick_device(cfg.device), threshold=cfg.threshold)
-    return {**report, "num-examples": len(site.val_labels), "unit-weight": 1}
+    return {**report, "num-examples": len(site.val_labels), UNIT_WEIGHT_KEY: 1}

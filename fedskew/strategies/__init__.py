@@ -7,10 +7,11 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedMedian, FedP
 import torch
 from torch import nn
 
+from fedskew.client_tasks import UNIT_WEIGHT_KEY
 from fedskew.config import FEDERATED_METHODS, RunConfig
 from fedskew.strategies.drift import FedDyn, Scaffold
 from fedskew.strategies.fednca import FedNCA
-from fedskew.strategies.recording import RecordingMixin
+from fedskew.strategies.recording import EXAMPLES_KEY, RecordingMixin
 
 
 class RecordedFedAvg(RecordingMixin, FedAvg):
@@ -45,8 +46,8 @@ SERVER_OPTIMISERS = {"fedadam": RecordedFedAdam, "fedyogi": RecordedFedYogi, "fe
 
 
 def weight_key(cfg: RunConfig) -> str:
-    # Clients report both keys; "unit-weight" (always 1) turns the average unweighted.
-    return "num-examples" if cfg.aggregation == "weighted" else "unit-weight"
+    # Clients report both keys; the unit weight (always 1) turns the average unweighted.
+    return EXAMPLES_KEY if cfg.aggregation == "weighted" else UNIT_WEIGHT_KEY
 
 
 def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.Tensor | None = None) -> FedAvg:

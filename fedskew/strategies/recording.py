@@ -13,7 +13,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedskew.client_tasks import SINGLE_LABEL_VAL_KEYS, VAL_COUNTS_KEY
+from fedskew.client_tasks import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
 from fedskew.results import RunRecorder
 
 
@@ -94,7 +94,7 @@ def report_problem(content: RecordDict, weight_keys: Iterable[str], multilabel: 
         if (problem := weight_problem(metrics, key)) is not None:
             return problem
     report_keys = (VAL_COUNTS_KEY,) if multilabel else SINGLE_LABEL_VAL_KEYS
-    unexpected = sorted(set(metrics) - set(report_keys) - {EXAMPLES_KEY, "unit-weight"})
+    unexpected = sorted(set(metrics) - set(report_keys) - {EXAMPLES_KEY, UNIT_WEIGHT_KEY})
     if unexpected or any(key not in metrics for key in report_keys):
         return f"its metrics are {sorted(metrics)}; a validation report holds {sorted(report_keys)} and the weights"
     for key in () if multilabel else report_keys:
@@ -186,10 +186,13 @@ class RecordingMixin:
             if problem is None:
                 kept.append(reply)
                 continue
-            reason = f"site {self._site_of(reply)}: round {server_round} {what} refused: {problem}"
-            print(reason, flush=True)
-            self.recorder.record_dropout(server_round, self._site_of(reply), reason)
+            site = self._site_of(reply)
+            self._refuse(server_round, site, f"site {site}: round {server_round} {what} refused: {problem}")
         return kept
+
+    def _refuse(self, server_round: int, site: str, reason: str) -> None:
+        print(reason, flush=True)
+        self.recorder.record_dropout(server_round, site, reason)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
@@ -219,10 +222,9 @@ class RecordingMixin:
         self.last_val_counts = None
         if self.counts_shape is None:
             return replies
-        reported = {self._site_of(m): m.content["metrics"].get(VAL_COUNTS_KEY) if "metrics" in m.content.metric_records
-                    else None for m in replies if not m.has_error()}  # fmt: skip
+        # Screened replies: each holds its MetricRecord "metrics".
+        reported = {self._site_of(m): m.content["metrics"].get(VAL_COUNTS_KEY) for m in replies if not m.has_error()}
         self.last_val_counts, refused = summed_counts(reported, self.counts_shape)
         for site, reason in refused.items():
-            print(reason, flush=True)
-            self.recorder.record_dropout(server_round, site, reason)
+            self._refuse(server_round, site, reason)
         return [m for m in replies if m.has_error() or self._site_of(m) not in refused]
