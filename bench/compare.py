@@ -9,7 +9,7 @@ sd per metric), NAME/per_class.png, NAME/overhead.json, and every run's own resu
 NAME/runs/. With fedavg among the methods it also measures the framework's overhead: one more FedAvg
 run in Flower with --workers ClientApps at a time, its steady-state round clocked in wall and CPU
 seconds (every process of the run), then the same round's work in a plain PyTorch loop with --workers
-worker processes, back to back on the same machine.
+worker processes, back to back on the same machine; --overhead-repeats such pairs, and the median ratio.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fedskew.config import RunConfig  # noqa: E402
+from fedskew.config import RunConfig, current_run_config  # noqa: E402
 from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
 from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
@@ -191,14 +191,24 @@ def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[st
     plt.close(fig)
 
 
-def completed_run(results_dir: Path) -> Path | None:
-    """The run directory under `results_dir` if it holds a completed run (reused on a re-invocation)."""
+def completed_run(results_dir: Path, run_config: dict) -> Path | None:
+    """The run directory under `results_dir` if it holds a completed run of `run_config` (reused on a
+    re-invocation). A completed run made with other settings stops the comparison: reusing it would put
+    another experiment's numbers in this table."""
     if not results_dir.is_dir():
         return None
+    wanted = RunConfig.from_run_config(run_config).to_run_config()
     for path in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         summary = path / "summary.json"
-        if summary.is_file() and json.loads(summary.read_text())["status"] == "completed":
-            return path
+        if not (summary.is_file() and json.loads(summary.read_text())["status"] == "completed"):
+            continue
+        saved = current_run_config(json.loads((path / "config.json").read_text()))
+        differing = [f"{key}: {saved.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+                     if key != "results-dir" and saved.get(key) != value]
+        if differing:
+            raise SystemExit(f"{path} holds a completed run with other settings ({'; '.join(differing)}); "
+                             "give this comparison another --out, or delete that run to redo it")
+        return path
     return None
 
 
@@ -265,40 +275,65 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
         cells = [summarise(record[k], *DISPLAY.get(k, (k, 1.0, 4))[1:]) for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(record['wall_seconds'])} |")
     if overhead:
-        flower, plain = overhead["flower"], overhead["plain_pytorch"]
+        pairs = overhead["pairs"]
+        plain, flower = pairs[0]["plain_pytorch"], pairs[0]["flower"]
         lines += ["", f"Framework overhead at equal parallelism ({plain['workers']} sites at a time, one torch thread "
-                      f"each): a steady-state FedAvg round (mean of rounds 2-{flower['rounds'] + 1}) took "
-                      f"{flower['wall_seconds']:.2f} s wall and "
-                      f"{flower['cpu_seconds']:.2f} CPU s (every process of the run) in Flower vs "
-                      f"{plain['wall_seconds']:.2f} s wall and {plain['cpu_seconds']:.2f} CPU s for the same work "
-                      f"(every site trains and validates, weights averaged, test evaluation; mean of {plain['rounds']} rounds) in a "
-                      "plain PyTorch loop "
-                      f"with {plain['workers']} worker processes: ratio {overhead['wall_ratio']:.2f}x wall, "
-                      f"{overhead['cpu_ratio']:.2f}x CPU."]
+                      f"each), {len(pairs)} pair(s) of runs back to back: a steady-state FedAvg round (mean of rounds "
+                      f"2-{flower['rounds'] + 1}, every process of the run) in Flower vs the same work (every site trains "
+                      "and validates, weights averaged, test evaluation) in a plain PyTorch loop with "
+                      f"{plain['workers']} worker processes.", "",
+                      "| pair | Flower wall s | plain wall s | wall ratio | Flower CPU s | plain CPU s | CPU ratio |",
+                      "|---|---|---|---|---|---|---|"]
+        lines += [f"| {i} | {p['flower']['wall_seconds']:.2f} | {p['plain_pytorch']['wall_seconds']:.2f} | "
+                  f"{p['wall_ratio']:.2f} | {p['flower']['cpu_seconds']:.2f} | {p['plain_pytorch']['cpu_seconds']:.2f} | "
+                  f"{p['cpu_ratio']:.2f} |" for i, p in enumerate(pairs, 1)]
+        lines += ["", f"Median ratio: {overhead['wall_ratio']:.2f}x wall, **{overhead['cpu_ratio']:.2f}x CPU**."]
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     plot_per_class(per_class, class_names, PER_CLASS[multilabel], args.out / "per_class.png")
     return "\n".join(lines)
 
 
-def measure_overhead(args, run_config: dict) -> dict:
-    """A fresh FedAvg run in Flower with its rounds clocked (wall and CPU of every process of the run), then
-    the same round's work in a plain PyTorch loop at the same parallelism, back to back."""
-    cfg = RunConfig.from_run_config(run_config)
+def _wait_for_exit(pids, timeout: float = 60.0) -> None:
+    """Until every process of the Flower run (Ray's included) has gone, so that its teardown does not run
+    beside the plain loop's clock."""
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def flower_rounds(args, run_config: dict) -> dict:
+    """A fresh FedAvg run in Flower with its rounds clocked (wall and CPU of every process of the run)."""
     results_dir = args.out / "overhead-run"
     shutil.rmtree(results_dir, ignore_errors=True)
     with SimulationSuperLink() as superlink, ProcessTreeCPU(superlink.process.pid) as cpu:
         clock = RoundClock(cpu)
-        print(f"== overhead: fedavg in Flower, {args.workers} ClientApps at a time", flush=True)
         outcome = superlink.run_app({**run_config, "results-dir": str(results_dir.resolve())}, args.num_sites,
                                     timeout=args.timeout, ray_cpus=args.workers, echo=True, on_line=clock)
         if not outcome.completed:
             raise SystemExit(f"overhead run ended {outcome.status}:\n{outcome.output[-3000:]}")
-    flower = clock.steady_round()
-    print(f"== overhead: the same round in a plain PyTorch loop, {args.workers} worker processes", flush=True)
-    plain = plain_pytorch_round(cfg, args.num_sites, min(args.workers, args.num_sites), flower["rounds"])
-    return {"flower": flower, "plain_pytorch": plain, "wall_ratio": flower["wall_seconds"] / plain["wall_seconds"],
-            "cpu_ratio": flower["cpu_seconds"] / plain["cpu_seconds"]}
+    _wait_for_exit(list(cpu.seen))
+    return clock.steady_round()
+
+
+def measure_overhead(args, run_config: dict) -> dict:
+    """--overhead-repeats pairs, each a fresh FedAvg run in Flower and then the same rounds' work in a plain
+    PyTorch loop at the same parallelism, back to back; the figure is the median of the pairs' ratios, since
+    one pair's ratio moves by about 0.1 from run to run on a small machine."""
+    cfg = RunConfig.from_run_config(run_config)
+    pairs = []
+    for repeat in range(1, args.overhead_repeats + 1):
+        print(f"== overhead {repeat}/{args.overhead_repeats}: fedavg in Flower, {args.workers} ClientApps at a time",
+              flush=True)
+        flower = flower_rounds(args, run_config)
+        print(f"== overhead {repeat}/{args.overhead_repeats}: the same rounds in a plain PyTorch loop, "
+              f"{args.workers} worker processes", flush=True)
+        plain = plain_pytorch_round(cfg, args.num_sites, min(args.workers, args.num_sites), flower["rounds"])
+        pairs.append({"flower": flower, "plain_pytorch": plain, "wall_ratio": flower["wall_seconds"] / plain["wall_seconds"],
+                      "cpu_ratio": flower["cpu_seconds"] / plain["cpu_seconds"]})
+        print(f"   ratio {pairs[-1]['wall_ratio']:.2f}x wall, {pairs[-1]['cpu_ratio']:.2f}x CPU", flush=True)
+    return {"pairs": pairs, "wall_ratio": statistics.median(p["wall_ratio"] for p in pairs),
+            "cpu_ratio": statistics.median(p["cpu_ratio"] for p in pairs)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,7 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="the overhead figure's parallelism: ClientApps at a time in Flower (init-args-num-cpus, one "
                              "CPU per ClientApp) and worker processes in the plain loop (default: the machine's cores)")
+    parser.add_argument("--overhead-repeats", type=int, default=3,
+                        help="pairs of runs (Flower, then the plain loop) behind the overhead figure; it is their median")
     args = parser.parse_args(argv)
+    if args.overhead_repeats < 1:
+        parser.error(f"--overhead-repeats must be at least 1, got {args.overhead_repeats}")
 
     shared = parse_run_config(args.run_config)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -343,13 +382,13 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[tuple[str, int], Path] = {}
     with SimulationSuperLink() as superlink:  # its FLWR_HOME in a temp dir: never inside the app (the FAB)
         for (name, seed), run_config in configs.items():
-            done = completed_run(Path(run_config["results-dir"]))
+            done = completed_run(Path(run_config["results-dir"]), run_config)
             if done is None:
                 print(f"== {name} seed {seed}", flush=True)
                 outcome = superlink.run_app(run_config, args.num_sites, timeout=args.timeout, echo=True)
                 if not outcome.completed:
                     raise SystemExit(f"{name} seed {seed} ended {outcome.status}:\n{outcome.output[-3000:]}")
-                done = completed_run(Path(run_config["results-dir"]))
+                done = completed_run(Path(run_config["results-dir"]), run_config)
             else:
                 print(f"== {name} seed {seed}: reusing {done}", flush=True)
             runs[(name, seed)] = done

@@ -147,6 +147,9 @@ TRIALS = [
     ("fednca-e1-r60-sgd0.2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.2, "bench.local-sgd": True}),
     ("fednca-e1-r60-sgd0.02", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.02, "bench.local-sgd": True}),
     ("centralized-e1-r60-decay0.2", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.2}),
+    ("centralized-e1-r20-lr2e-3", "centralized", {"num-server-rounds": 20, "local-epochs": 1, "fednca.lr": 2e-3}),
+    ("centralized-e1-r20-lr2e-3-q8", "centralized", {"num-server-rounds": 20, "local-epochs": 1, "fednca.lr": 2e-3,
+                                                     "bench.query-scale": 8.0}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -371,6 +374,14 @@ def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
 
 
+def scaled_query_forward(scale: float):
+    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
+        queries = (scale * ladm.queries).unsqueeze(0).expand(tokens.shape[0], -1, -1)
+        return ladm.attention(queries, tokens, tokens, need_weights=False)[0]
+
+    return forward
+
+
 def clear_dataset_caches() -> None:
     """Forget the data sets and partitions loaded so far (a `bench.train-images` trial draws another set)."""
     site_data._load_task_dataset.cache_clear()
@@ -382,14 +393,18 @@ def bench_options(options: dict):
     """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm,
     `bench.decay-share` holds the peak lr and decays over that share of the schedule only, `bench.train-images`
     draws a generated data set with that many training images instead of its default, `bench.width` sets the
-    small CNN's first-stage channels (32; the later stages have twice as many)."""
+    small CNN's first-stage channels (32; the later stages have twice as many), `bench.query-scale` multiplies
+    the LADM's fixed queries (unit ETF prototypes) before their projection, so the attention's initial scores
+    are that many times larger."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
-             "bench.server-adam-lr", "bench.local-sgd"}
+             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
     original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
-    original_optimizer = client_tasks.fednca_optimizer
+    original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
+    if "bench.query-scale" in options:
+        fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
     if options.get("bench.local-sgd"):
         client_tasks.fednca_optimizer = sgd_with_fednca_schedule
     if "bench.width" in options:
@@ -407,7 +422,7 @@ def bench_options(options: dict):
     finally:
         backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
         synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
-        client_tasks.fednca_optimizer = original_optimizer
+        client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
         clear_dataset_caches()
 
 

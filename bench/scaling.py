@@ -80,7 +80,7 @@ def run_point(superlink: SimulationSuperLink, run_config: dict, sites: int, cpus
         outcome = superlink.run_app({**run_config, "results-dir": str(results_dir.resolve())}, sites, timeout=timeout,
                                     cpus_per_client=cpus_per_client, echo=True)
         wall, cpu_seconds = time.perf_counter() - wall_start, cpu.sample() - cpu_start
-    run_dir = completed_run(results_dir)
+    run_dir = completed_run(results_dir, {**run_config, "results-dir": str(results_dir.resolve())})
     if not outcome.completed or run_dir is None:
         raise SystemExit(f"{run_config['method']} with {sites} sites ended {outcome.status}:\n{outcome.output[-3000:]}")
     return {"run_config": run_config, "sites": sites, "cpus_per_client": cpus_per_client,

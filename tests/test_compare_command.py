@@ -1,12 +1,16 @@
 """The `Command:` line bench.compare writes at the top of results.md must paste back into a shell as the
-same arguments: run-config strings hold single-quoted values (`partition='classes-per-site'`)."""
+same arguments: run-config strings hold single-quoted values (`partition='classes-per-site'`). A re-run
+reuses a completed run only when its settings are the ones asked for."""
 
+import json
 import shlex
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.compare import shell_quote
+from bench.compare import completed_run, shell_quote
+from fedskew.config import RunConfig
 
 
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40))
@@ -17,3 +21,18 @@ def test_a_quoted_argument_splits_back_into_itself(argument):
 def test_a_run_config_with_single_quoted_values_stays_readable():
     spec = "factory-dp-z1:factory:factory.dp-noise-multiplier=1.0 partition='classes-per-site'"
     assert shell_quote(spec) == f'"{spec}"'
+
+
+def _completed(run_dir, config: dict):
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed"}))
+    (run_dir / "config.json").write_text(json.dumps(RunConfig.from_run_config(config).to_run_config()))
+
+
+def test_a_completed_run_is_reused_only_for_the_same_settings(tmp_path):
+    wanted = {"method": "fedavg", "num-server-rounds": 8, "results-dir": str(tmp_path)}
+    assert completed_run(tmp_path / "absent", wanted) is None
+    _completed(tmp_path / "run-a", {**wanted, "results-dir": "elsewhere"})  # where it was written does not matter
+    assert completed_run(tmp_path, wanted) == tmp_path / "run-a"
+    with pytest.raises(SystemExit, match="num-server-rounds: 8 there, 4 now"):
+        completed_run(tmp_path, {**wanted, "num-server-rounds": 4})
