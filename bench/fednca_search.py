@@ -150,6 +150,8 @@ TRIALS = [
     ("centralized-e1-r20-lr2e-3", "centralized", {"num-server-rounds": 20, "local-epochs": 1, "fednca.lr": 2e-3}),
     ("centralized-e1-r20-lr2e-3-q8", "centralized", {"num-server-rounds": 20, "local-epochs": 1, "fednca.lr": 2e-3,
                                                      "bench.query-scale": 8.0}),
+    ("fednca-e1-r60-slr1.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 1.5}),
+    ("fednca-e1-r60-slr2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 2.0}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -201,7 +203,7 @@ class DictStore:
 
 
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
-                server_adam_lr: float = 0.0) -> dict:
+                server_adam_lr: float = 0.0, server_lr: float = 1.0) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging."""
@@ -232,7 +234,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         if server_adam_lr:
             state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names)
         else:
-            state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names)
+            state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names, server_lr)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
         trace["val_auc_by_round"].append(probe(model))
     site_model = copy.deepcopy(model)
@@ -250,10 +252,11 @@ def momentum_step(
     velocity: dict[str, torch.Tensor],
     momentum: float,
     parameter_names: Iterable[str],
+    server_lr: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Server momentum (FedAvgM, Hsu et al. 2019, arXiv:1909.06335): the average's change to the global
     weights is a pseudo-gradient with a heavy-ball velocity, v <- beta v + (average - global), global <- global
-    + v; beta = 0 is FedAvg. Only trainable parameters move with momentum: BatchNorm statistics take the
+    + server_lr v; beta = 0 and server_lr = 1 is FedAvg. Only trainable parameters move with momentum: BatchNorm statistics take the
     average (an extrapolated running variance could turn negative). Returns the next weights and velocity."""
     new_weights, new_velocity = dict(averaged), {}
     for name in parameter_names:
@@ -261,7 +264,7 @@ def momentum_step(
         if name in velocity:
             step = step + momentum * velocity[name].double()
         new_velocity[name] = step
-        new_weights[name] = (global_weights[name].double() + step).to(averaged[name].dtype)
+        new_weights[name] = (global_weights[name].double() + server_lr * step).to(averaged[name].dtype)
     return new_weights, new_velocity
 
 
@@ -395,9 +398,10 @@ def bench_options(options: dict):
     draws a generated data set with that many training images instead of its default, `bench.width` sets the
     small CNN's first-stage channels (32; the later stages have twice as many), `bench.query-scale` multiplies
     the LADM's fixed queries (unit ETF prototypes) before their projection, so the attention's initial scores
-    are that many times larger."""
+    are that many times larger; `bench.server-lr` scales the averaged change to the trainable weights (FedOpt's
+    server learning rate on FedAvg; BatchNorm statistics take the average)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
-             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale"}
+             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
@@ -442,7 +446,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
         return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
 
     trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
-                        options.get("bench.server-adam-lr", 0.0))
+                        options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0))
     return {**diagnose(model, sites, data), **trace}
 
 
