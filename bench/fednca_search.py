@@ -256,8 +256,9 @@ def momentum_step(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Server momentum (FedAvgM, Hsu et al. 2019, arXiv:1909.06335): the average's change to the global
     weights is a pseudo-gradient with a heavy-ball velocity, v <- beta v + (average - global), global <- global
-    + server_lr v; beta = 0 and server_lr = 1 is FedAvg. Only trainable parameters move with momentum: BatchNorm statistics take the
-    average (an extrapolated running variance could turn negative). Returns the next weights and velocity."""
+    + server_lr v; beta = 0 and server_lr = 1 is FedAvg. Only trainable parameters move with momentum:
+    BatchNorm statistics take the average (an extrapolated running variance could turn negative). Returns the
+    next weights and velocity."""
     new_weights, new_velocity = dict(averaged), {}
     for name in parameter_names:
         step = averaged[name].double() - global_weights[name].double()

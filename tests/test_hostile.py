@@ -28,6 +28,7 @@ from fedskew.models.generator_io import state_dict_checksum
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import TaskShape
 from fedskew.strategies.factory import FactoryFlow, decode_modules, encode_modules, generator_payload_limit, packed_weights
+from fedskew.strategies.recording import arrays_layout, update_problem
 
 CFG = RunConfig.from_run_config(
     {"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.classifier": "small-cnn",
@@ -557,7 +558,5 @@ def test_a_malformed_validation_report_is_refused_and_the_others_are_averaged(tm
 def test_an_integer_counter_answering_its_averaged_float_is_accepted():
     # After one average the server sends BatchNorm's step counter as a float; a site's model holds it as an
     # int64 and sends that back: the same array, not a malformed one.
-    from fedskew.strategies.recording import arrays_layout, update_problem
-
     sent = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)), "bn.num_batches_tracked": Array(np.array(5.0))})
     assert update_problem(_update(_model_record(1.0)), arrays_layout(sent), "num-examples") is None
