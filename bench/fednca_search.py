@@ -39,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -50,7 +51,7 @@ import torch
 
 from bench.compare import summarise
 from fedskew import client_tasks
-from fedskew.client_tasks import local_optimisation, train_site
+from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train_site
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
@@ -152,6 +153,16 @@ TRIALS = [
                                                      "bench.query-scale": 8.0}),
     ("fednca-e1-r60-slr1.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 1.5}),
     ("fednca-e1-r60-slr2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 2.0}),
+    ("centralized-e1-r100", "centralized", {"num-server-rounds": 100, "local-epochs": 1}),
+    ("fednca-e1-r60-adam-averaged", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                               "fednca.keep-optimizer-state": True, "bench.average-optimizer-state": "both"}),
+    ("fednca-e1-r60-adam-v-averaged", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.keep-optimizer-state": True,
+                                                 "bench.average-optimizer-state": "second-moment"}),
+    ("centralized-e1-r60-adam-m-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                         "bench.optimizer-reset-steps": 6, "bench.first-moment-reset": True}),
+    # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
+    ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                       "bench.optimizer-reset-steps": 6}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -202,11 +213,42 @@ class DictStore:
         self.tensors[name] = dict(tensors)
 
 
+def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False):
+    """A `before_step` hook that forgets the optimiser's state (AdamW's moments and step count) before every
+    `every`-th step, as a federated site's fresh AdamW does each round; the lr schedule goes on. With
+    `first_moment_only` it zeroes AdamW's first moment and keeps the second moment and the step count."""
+    calls = itertools.count()
+
+    def restart() -> None:
+        if next(calls) % every:
+            return
+        if not first_moment_only:
+            optimizer.state.clear()
+        for state in optimizer.state.values():
+            state["exp_avg"].zero_()
+
+    return restart
+
+
+def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[dict], part: str) -> dict[str, torch.Tensor]:
+    """The sites' kept AdamW states averaged with their example weights (`part = "both"`), or only the second
+    moment and step count averaged and the first moment zeroed (`part = "second-moment"`)."""
+    shared = federated_average(list(zip(kept, weights)))
+    if part == "second-moment":
+        shared.update({k: torch.zeros_like(v) for k, v in shared.items() if k.endswith(".exp_avg")})
+    return {k: v.float() for k, v in shared.items()}
+
+
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
-                server_adam_lr: float = 0.0, server_lr: float = 1.0) -> dict:
+                server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
+                average_optimizer_state: str = "", first_moment_reset: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
-    of the sites' own models after their last local training, before averaging."""
+    of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
+    (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
+    moment only); `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
+    replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
+    so all sites start the next round from the same moments."""
     device = torch.device("cpu")
     trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
@@ -214,9 +256,11 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         labels = np.concatenate([s.train_labels for s in sites])
         loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
         optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
+        before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset)
+                       if optimizer_reset_steps else None)
         for _ in range(cfg.num_server_rounds):
             train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
-                        loss_fn=loss_fn, device=device)
+                        loss_fn=loss_fn, device=device, before_step=before_step)
             trace["val_auc_by_round"].append(probe(model))
         return trace
     state = model.state_dict()
@@ -231,6 +275,11 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             for k, site in enumerate(sites)
         ]
         averaged = federated_average(updates)
+        if average_optimizer_state:
+            shared = shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
+                                            [metrics for _, metrics in updates], average_optimizer_state)
+            for store in stores:
+                store.put(OPTIMIZER_SITE_STATE, shared)
         if server_adam_lr:
             state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names)
         else:
@@ -400,9 +449,11 @@ def bench_options(options: dict):
     small CNN's first-stage channels (32; the later stages have twice as many), `bench.query-scale` multiplies
     the LADM's fixed queries (unit ETF prototypes) before their projection, so the attention's initial scores
     are that many times larger; `bench.server-lr` scales the averaged change to the trainable weights (FedOpt's
-    server learning rate on FedAvg; BatchNorm statistics take the average)."""
+    server learning rate on FedAvg; BatchNorm statistics take the average); `bench.optimizer-reset-steps`
+    restarts the centralised bound's AdamW every that many steps, as the sites' AdamW restarts each round."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
-             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr"}
+             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
+             "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
@@ -447,7 +498,9 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
         return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
 
     trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
-                        options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0))
+                        options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
+                        options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
+                        options.get("bench.first-moment-reset", False))
     return {**diagnose(model, sites, data), **trace}
 
 

@@ -14,6 +14,7 @@ from bench.fednca_search import (
     federated_average,
     hold_then_decay,
     momentum_step,
+    optimizer_restarts,
     table,
     recalibrated_batchnorm,
     validation_threshold,
@@ -87,6 +88,26 @@ def test_server_momentum_accumulates_the_averages_steps_and_leaves_batchnorm_sta
     weights, velocity = momentum_step(weights, {"w": torch.tensor([1.5]), "var": torch.tensor([0.2])}, velocity, 0.9, ["w"])
     assert weights["w"].item() == pytest.approx(2.4) and weights["var"].item() == pytest.approx(0.2)
     assert weights["w"].dtype == torch.float32
+
+
+def test_optimizer_restarts_forget_adams_state_every_n_steps_like_a_fresh_site_optimiser():
+    # Adam's first step after a restart moves every weight by lr (m / sqrt(v) = sign(g) after bias correction);
+    # a continuing Adam's second step on a gradient 10x smaller moves it by lr * m_hat / sqrt(v_hat) with
+    # m_hat = (0.9 * 0.1 + 0.1 * 0.1) / (1 - 0.9^2) and v_hat = (0.999 * 0.001 + 0.001 * 0.01) / (1 - 0.999^2).
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, weight_decay=0.0)
+    restart = optimizer_restarts(optimizer, every=2)
+    moves = []
+    for gradient in (1.0, 0.1, 0.1):
+        weight.grad = torch.tensor([gradient])
+        restart()
+        before = weight.item()
+        optimizer.step()
+        moves.append(before - weight.item())
+    assert moves[0] == pytest.approx(0.1, rel=1e-4) and moves[2] == pytest.approx(0.1, rel=1e-4)
+    m_hat, v_hat = (0.9 * 0.1 + 0.1 * 0.1) / (1 - 0.9**2), (0.999 * 0.001 + 0.001 * 0.01) / (1 - 0.999**2)
+    assert moves[1] == pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-4)
+    assert optimizer.state[weight]["step"].item() == 1  # the third step was the first after the restart
 
 
 def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
