@@ -9,7 +9,8 @@ sd per metric), NAME/per_class.png, NAME/overhead.json, and every run's own resu
 NAME/runs/. With fedavg among the methods it also measures the framework's overhead: one more FedAvg
 run in Flower with --workers ClientApps at a time, its steady-state round clocked in wall and CPU
 seconds (every process of the run), then the same round's work in a plain PyTorch loop with --workers
-worker processes, back to back on the same machine; --overhead-repeats such pairs, and the median ratio.
+worker processes, back to back on the same machine; --overhead-repeats such pairs (0: none), and the median
+ratio.
 """
 
 from __future__ import annotations
@@ -352,10 +353,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="the overhead figure's parallelism: ClientApps at a time in Flower (init-args-num-cpus, one "
                              "CPU per ClientApp) and worker processes in the plain loop (default: the machine's cores)")
     parser.add_argument("--overhead-repeats", type=int, default=3,
-                        help="pairs of runs (Flower, then the plain loop) behind the overhead figure; it is their median")
+                        help="pairs of runs (Flower, then the plain loop) behind the overhead figure; it is their median "
+                             "(0: no overhead figure)")
     args = parser.parse_args(argv)
-    if args.overhead_repeats < 1:
-        parser.error(f"--overhead-repeats must be at least 1, got {args.overhead_repeats}")
+    if args.overhead_repeats < 0:
+        parser.error(f"--overhead-repeats must be 0 (no overhead figure) or more, got {args.overhead_repeats}")
 
     shared = parse_run_config(args.run_config)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
             write_report(args, runs, {})
 
     overhead = {}
-    if "fedavg" in rows:
+    if "fedavg" in rows and args.overhead_repeats:
         overhead = measure_overhead(args, {**shared, "method": "fedavg", "seed": seeds[0]})
         (args.out / "overhead.json").write_text(json.dumps(overhead, indent=2))
     print(write_report(args, runs, overhead))

@@ -42,7 +42,12 @@ RETIRED_TRAINING_KEYS = ("fednca.warmup-fraction",)  # replaced by fednca.warmup
 
 def current_run_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved flat run config (a model card's, a run's config.json) in today's keys."""
-    return {**ADDED_KEYS_AS_BEFORE, **{k: v for k, v in saved.items() if k not in RETIRED_TRAINING_KEYS}}
+    current = {**ADDED_KEYS_AS_BEFORE, **{k: v for k, v in saved.items() if k not in RETIRED_TRAINING_KEYS}}
+    if "factory.p2p-epochs" not in saved:
+        # Before the key a factory-p2p run's experts trained factory.classifier-epochs; other methods train none.
+        experts_then = saved.get("factory.classifier-epochs") if saved.get("method") == "factory-p2p" else None
+        current["factory.p2p-epochs"] = experts_then or FactorySection.model_fields["p2p_epochs"].default
+    return current
 
 
 class ConfigError(ValueError):
@@ -190,7 +195,8 @@ class FactorySection(_Section):
         "96 px; the paper: resnet50)."
     )
     classifier_epochs: int = Field(
-        6, ge=1, le=10_000, description="Most classifier epochs (the paper: 300); the cosine lr decay spans them."
+        20, ge=1, le=10_000, description="Most epochs of the server's classifier (the paper: 300); the cosine lr "
+        "decay spans them."
     )
     classifier_patience: int = Field(
         0, ge=0, le=10_000, description="Stop the classifier once its held-out accuracy has not improved for this "
@@ -224,6 +230,10 @@ class FactorySection(_Section):
         False, description="Sites send per-class histograms of their real training pixels with their generators "
         "(counts only); the server maps each synthetic class's pixels onto them (histogram matching) before "
         "training its classifier (in factory-p2p the round-1 classifier; the experts train on unmatched images)."
+    )
+    p2p_epochs: int = Field(
+        6, ge=1, le=10_000, description="P2P: epochs of each site's expert classifier (otherwise the server "
+        "classifier's recipe); ten experts train at the sites where the server trains one classifier."
     )
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.config import ConfigError, RunConfig, generated_files
+from fedskew.config import ConfigError, RunConfig, current_run_config, generated_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,3 +81,13 @@ def test_single_label_settings_are_accepted():
 )
 def test_the_label_kind_comes_from_the_config_only_when_it_can_tell(overrides, kind):
     assert RunConfig.from_run_config(overrides).label_kind == kind
+
+
+def test_a_p2p_run_saved_before_p2p_epochs_reads_with_its_experts_trained_as_long_as_its_classifier():
+    before = {k: v for k, v in RunConfig().to_run_config().items() if k != "factory.p2p-epochs"}
+    p2p = {**before, "method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier-epochs": 12}
+    assert RunConfig.from_run_config(current_run_config(p2p)).factory.p2p_epochs == 12
+    # Other methods trained no expert: the key reads as its default, so such a run matches today's settings.
+    factory = {**before, "method": "factory", "factory.classifier-epochs": 12}
+    assert current_run_config(factory)["factory.p2p-epochs"] == RunConfig().factory.p2p_epochs
+    assert current_run_config({**p2p, "factory.p2p-epochs": 3})["factory.p2p-epochs"] == 3

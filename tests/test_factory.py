@@ -308,7 +308,7 @@ E2E = {
     "mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 4, "min-site-size": 5,
     "factory.generator-steps": 4, "factory.audit-samples": 8, "factory.sampler-steps": 3,
     "factory.samples-per-class": 24, "factory.p2p-samples-per-class": 12, "factory.classifier": "small-cnn",
-    "factory.classifier-epochs": 2,
+    "factory.classifier-epochs": 2, "factory.p2p-epochs": 1,
 }  # fmt: skip
 # With val-fraction 0.02 and seed 1, one of the 3 sites holds no held-out image of a class it models,
 # so with the audit on (max-memorization > 0) it cannot check that generator and refuses to upload.
@@ -451,6 +451,8 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     assert [e["site-id"] for e in summary["p2p"]["experts"]] == [0, 1, 2]
     for expert in summary["p2p"]["experts"]:
         assert expert["test"]["accuracy"] == pytest.approx(accuracy_from_recalls(expert["test"]["per_class_recall"]))
+        assert expert["train"]["last_epoch"] == 1  # factory.p2p-epochs
+    assert summary["factory"]["classifier"]["last_epoch"] == 2  # factory.classifier-epochs: the server's own
     assert summary["final"] == summary["p2p"]["poe_test"]
     manifest = json.loads((p2p_run / "library" / "manifest.json").read_text())
     assert [m["module-id"] for m in manifest["modules"]] == ["site0", "site1", "site2"]  # conditional: one per site

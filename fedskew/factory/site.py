@@ -293,9 +293,10 @@ def train_site_expert(
             )  # fmt: skip
         images = np.concatenate([unit_float(images), synthetic.images])
         labels = np.concatenate([labels, synthetic.labels])
+    recipe = dataclasses.replace(ClassifierRecipe.from_section(factory), epochs=factory.p2p_epochs)
     with timed(training):
         model, stats = train_classifier(
-            images, labels, site.num_classes, ClassifierRecipe.from_section(factory),
+            images, labels, site.num_classes, recipe,
             val_fraction=factory.p2p_val_fraction, seed=derived_seed(cfg.seed, site.site_id, 2), device=device,
         )  # fmt: skip
     metrics = {
