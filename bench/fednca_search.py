@@ -153,6 +153,10 @@ TRIALS = [
                                                      "bench.query-scale": 8.0}),
     ("fednca-e1-r60-slr1.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 1.5}),
     ("fednca-e1-r60-slr2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-lr": 2.0}),
+    # Server momentum as an average of the rounds' changes (server lr 1 - beta): memory across rounds at the
+    # same step size, where plain FedAvgM with beta 0.9 takes ten times the step.
+    ("fednca-e1-r60-m0.9-slr0.1", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-momentum": 0.9,
+                                             "bench.server-lr": 0.1}),
     ("centralized-e1-r100", "centralized", {"num-server-rounds": 100, "local-epochs": 1}),
     ("fednca-e1-r60-adam-averaged", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                "fednca.keep-optimizer-state": True, "bench.average-optimizer-state": "both"}),
