@@ -192,6 +192,9 @@ def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[st
     plt.close(fig)
 
 
+OVERHEAD_REPEATS = 3  # pairs behind the overhead figure unless --overhead-repeats says otherwise
+
+
 def completed_run(results_dir: Path, run_config: dict) -> Path | None:
     """The run directory under `results_dir` if it holds a completed run of `run_config` (reused on a
     re-invocation). A completed run made with other settings stops the comparison: reusing it would put
@@ -263,6 +266,7 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
         + "".join(f"--method-config {shell_quote(s)} " for s in args.method_config)
         + f"--seeds {args.seeds} "
         + (f"--variant-seeds {args.variant_seeds} " if args.variant_seeds else "")
+        + (f"--overhead-repeats {args.overhead_repeats} " if args.overhead_repeats != OVERHEAD_REPEATS else "")
         + f"--num-sites {args.num_sites} --out {args.out}`",
         "",
         f"Final-round test metrics, mean ± sd over the seeds completed ({', '.join(map(str, seeds_done))}; n per row in "
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="the overhead figure's parallelism: ClientApps at a time in Flower (init-args-num-cpus, one "
                              "CPU per ClientApp) and worker processes in the plain loop (default: the machine's cores)")
-    parser.add_argument("--overhead-repeats", type=int, default=3,
+    parser.add_argument("--overhead-repeats", type=int, default=OVERHEAD_REPEATS,
                         help="pairs of runs (Flower, then the plain loop) behind the overhead figure; it is their median "
                              "(0: no overhead figure)")
     args = parser.parse_args(argv)
