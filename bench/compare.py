@@ -206,7 +206,11 @@ def completed_run(results_dir: Path, run_config: dict) -> Path | None:
         summary = path / "summary.json"
         if not (summary.is_file() and json.loads(summary.read_text())["status"] == "completed"):
             continue
-        saved = current_run_config(json.loads((path / "config.json").read_text()))
+        try:
+            saved = current_run_config(json.loads((path / "config.json").read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"{path} holds a completed run whose config.json cannot be read ({type(exc).__name__}: "
+                             f"{exc}); delete that run to redo it, or give this comparison another --out") from None
         differing = [f"{key}: {saved.get(key)!r} there, {value!r} now" for key, value in wanted.items()
                      if key != "results-dir" and saved.get(key) != value]
         if differing:

@@ -36,3 +36,6 @@ def test_a_completed_run_is_reused_only_for_the_same_settings(tmp_path):
     assert completed_run(tmp_path, wanted) == tmp_path / "run-a"
     with pytest.raises(SystemExit, match="num-server-rounds: 8 there, 4 now"):
         completed_run(tmp_path, {**wanted, "num-server-rounds": 4})
+    (tmp_path / "run-a" / "config.json").unlink()  # a damaged run: one clear error naming it, no traceback
+    with pytest.raises(SystemExit, match=r"run-a holds a completed run whose config.json cannot be read"):
+        completed_run(tmp_path, wanted)
