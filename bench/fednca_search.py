@@ -454,7 +454,9 @@ def bench_options(options: dict):
     the LADM's fixed queries (unit ETF prototypes) before their projection, so the attention's initial scores
     are that many times larger; `bench.server-lr` scales the averaged change to the trainable weights (FedOpt's
     server learning rate on FedAvg; BatchNorm statistics take the average); `bench.optimizer-reset-steps`
-    restarts the centralised bound's AdamW every that many steps, as the sites' AdamW restarts each round."""
+    restarts the centralised bound's AdamW every that many steps, as the sites' AdamW restarts each round
+    (`bench.first-moment-reset`: only its first moment); `bench.average-optimizer-state` ("both" or
+    "second-moment", with fednca.keep-optimizer-state) has the server average the sites' kept AdamW state."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset"}
