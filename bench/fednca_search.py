@@ -158,8 +158,17 @@ TRIALS = [
     ("fednca-e1-r60-m0.9-slr0.1", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-momentum": 0.9,
                                              "bench.server-lr": 0.1}),
     ("centralized-e1-r100", "centralized", {"num-server-rounds": 100, "local-epochs": 1}),
+    ("fednca-e1-r150", "fednca", {"num-server-rounds": 150, "local-epochs": 1}),
+    ("fednca-e1-r60-wd0.1", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.weight-decay": 0.1}),
     ("fednca-e1-r60-adam-averaged", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                "fednca.keep-optimizer-state": True, "bench.average-optimizer-state": "both"}),
+    ("fednca-e1-r60-adam-averaged-iid", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "partition": "iid",
+                                                   "fednca.keep-optimizer-state": True,
+                                                   "bench.average-optimizer-state": "both"}),
+    ("fednca-e1-r60-adam-warm", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.moment-warm-start": True}),
+    ("centralized-e1-r60-adam-reset6-warm", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                            "bench.optimizer-reset-steps": 6,
+                                                            "bench.moment-warm-start": True}),
     ("fednca-e1-r60-adam-v-averaged", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.keep-optimizer-state": True,
                                                  "bench.average-optimizer-state": "second-moment"}),
     ("centralized-e1-r60-adam-m-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
@@ -234,6 +243,61 @@ def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_momen
     return restart
 
 
+def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
+                    device: torch.device) -> None:
+    """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
+    one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
+    K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
+    one more pass over the site's batches before it trains. BatchNorm statistics are left as they were."""
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("weight") and not k.endswith("bias")}
+    saved_grads = [p.grad for p in model.parameters()]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sums = [torch.zeros_like(p) for p in params]
+    squares = [torch.zeros_like(p) for p in params]
+    model.train()
+    count = 0
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, x.to(device), y.to(device)).backward()
+        for p, total, square in zip(params, sums, squares):
+            if p.grad is not None:
+                total.add_(p.grad)
+                square.add_(p.grad * p.grad)
+        count += 1
+    model.load_state_dict(buffers, strict=False)
+    for p, grad in zip(model.parameters(), saved_grads):
+        p.grad = grad
+    moments = {id(p): (total / count, square / count) for p, total, square in zip(params, sums, squares)}
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            mean, mean_square = moments[id(p)]
+            optimizer.state[p] = {"step": torch.tensor(float(count)), "exp_avg": mean * (1 - beta1**count),
+                                  "exp_avg_sq": mean_square * (1 - beta2**count)}
+
+
+def warm_started_restarts(optimizer: torch.optim.Optimizer, every: int, model: torch.nn.Module, loader, loss_fn,
+                          device: torch.device):
+    """`optimizer_restarts` whose restart warm-starts the moments (`warm_start_adam`) from the next `every`
+    batches of a second pass over `loader`, as a site would from its round's batches."""
+    calls = itertools.count()
+    batches = (batch for _ in itertools.count() for batch in loader)
+
+    def restart() -> None:
+        if next(calls) % every:
+            return
+        optimizer.state.clear()
+        warm_start_adam(optimizer, model, itertools.islice(batches, every), loss_fn, device)
+
+    return restart
+
+
+def warm_started_train_local(model, loader, *, optimizer, loss_fn, device, **rest):
+    """`train_local` after `warm_start_adam` over the site's own batches (the bench.moment-warm-start sites)."""
+    warm_start_adam(optimizer, model, loader, loss_fn, device)
+    return train_local(model, loader, optimizer=optimizer, loss_fn=loss_fn, device=device, **rest)
+
+
 def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[dict], part: str) -> dict[str, torch.Tensor]:
     """The sites' kept AdamW states averaged with their example weights (`part = "both"`), or only the second
     moment and step count averaged and the first moment zeroed (`part = "second-moment"`)."""
@@ -245,7 +309,8 @@ def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[di
 
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
-                average_optimizer_state: str = "", first_moment_reset: bool = False) -> dict:
+                average_optimizer_state: str = "", first_moment_reset: bool = False,
+                moment_warm_start: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
@@ -260,8 +325,12 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         labels = np.concatenate([s.train_labels for s in sites])
         loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
         optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
-        before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset)
-                       if optimizer_reset_steps else None)
+        if optimizer_reset_steps and moment_warm_start:
+            before_step = warm_started_restarts(optimizer, optimizer_reset_steps, model, loader, loss_fn, device)
+        elif optimizer_reset_steps:
+            before_step = optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset)
+        else:
+            before_step = None
         for _ in range(cfg.num_server_rounds):
             train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                         loss_fn=loss_fn, device=device, before_step=before_step)
@@ -456,15 +525,21 @@ def bench_options(options: dict):
     server learning rate on FedAvg; BatchNorm statistics take the average); `bench.optimizer-reset-steps`
     restarts the centralised bound's AdamW every that many steps, as the sites' AdamW restarts each round
     (`bench.first-moment-reset`: only its first moment); `bench.average-optimizer-state` ("both" or
-    "second-moment", with fednca.keep-optimizer-state) has the server average the sites' kept AdamW state."""
+    "second-moment", with fednca.keep-optimizer-state) has the server average the sites' kept AdamW state;
+    `bench.moment-warm-start` sets every fresh AdamW's moments from one gradient pass over the round's batches
+    (`warm_start_adam`; for the bound, at each of its restarts)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
-             "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset"}
+             "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
+             "bench.moment-warm-start"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
     original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
+    original_train_local = client_tasks.train_local
+    if options.get("bench.moment-warm-start"):
+        client_tasks.train_local = warm_started_train_local
     if "bench.query-scale" in options:
         fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
     if options.get("bench.local-sgd"):
@@ -485,6 +560,7 @@ def bench_options(options: dict):
         backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
         synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
         client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
+        client_tasks.train_local = original_train_local
         clear_dataset_caches()
 
 
@@ -506,7 +582,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
                         options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
-                        options.get("bench.first-moment-reset", False))
+                        options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False))
     return {**diagnose(model, sites, data), **trace}
 
 

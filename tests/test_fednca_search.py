@@ -18,6 +18,7 @@ from bench.fednca_search import (
     table,
     recalibrated_batchnorm,
     validation_threshold,
+    warm_start_adam,
 )
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
@@ -108,6 +109,32 @@ def test_optimizer_restarts_forget_adams_state_every_n_steps_like_a_fresh_site_o
     m_hat, v_hat = (0.9 * 0.1 + 0.1 * 0.1) / (1 - 0.9**2), (0.999 * 0.001 + 0.001 * 0.01) / (1 - 0.999**2)
     assert moves[1] == pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-4)
     assert optimizer.state[weight]["step"].item() == 1  # the third step was the first after the restart
+
+
+def test_warm_started_adam_takes_its_first_step_as_if_it_had_seen_the_batches_and_leaves_the_model_alone():
+    # loss = sum(w * x) has gradient sum(x): batches of 1 and 3 give mean g = 2 and mean g^2 = 5 over K = 2.
+    # After the warm start the step count is 2, so the next step (gradient 2) uses bias corrections at step 3:
+    # m = 0.9 * 2 (1 - 0.9^2) + 0.1 * 2, v = 0.999 * 5 (1 - 0.999^2) + 0.001 * 4. A fresh Adam would move lr.
+    linear, norm = torch.nn.Linear(1, 1, bias=False), torch.nn.BatchNorm1d(1)
+    model = torch.nn.Sequential(norm, linear)
+    torch.nn.init.zeros_(linear.weight)
+    optimizer = torch.optim.AdamW([linear.weight], lr=0.1, weight_decay=0.0)
+    marker = torch.tensor([[7.0]])
+    linear.weight.grad = marker.clone()
+    no_label = torch.zeros(1)
+    batches = [(torch.tensor([[1.0], [2.0]]), no_label), (torch.tensor([[3.0], [5.0]]), no_label)]
+    warm_start_adam(optimizer, linear, [(torch.tensor([[1.0]]), no_label), (torch.tensor([[3.0]]), no_label)],
+                    lambda net, x, y: net(x).sum(), torch.device("cpu"))
+    assert torch.equal(linear.weight.grad, marker)  # the caller's gradient survives the pass
+    assert optimizer.state[linear.weight]["step"].item() == 2
+    linear.weight.grad = torch.tensor([[2.0]])
+    optimizer.step()
+    m_hat = (0.9 * 2 * (1 - 0.9**2) + 0.1 * 2) / (1 - 0.9**3)
+    v_hat = (0.999 * 5 * (1 - 0.999**2) + 0.001 * 4) / (1 - 0.999**3)
+    assert -linear.weight.item() == pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-4)
+    # BatchNorm statistics are what they were before the gradient pass.
+    warm_start_adam(optimizer, model, batches, lambda net, x, y: net(x).sum(), torch.device("cpu"))
+    assert torch.equal(norm.running_mean, torch.zeros(1)) and norm.num_batches_tracked.item() == 0
 
 
 def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
