@@ -78,7 +78,8 @@ def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: tor
 
 def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device) -> SyntheticSet:
     """The server's class-balanced synthetic set, cached next to the library it was drawn from."""
-    path = directory / f"synthetic-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}.safetensors"
+    samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
+    path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}.safetensors"
     if path.is_file():
         return load_synthetic(path)
     synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
@@ -140,7 +141,8 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
     synthesis_seconds = time.perf_counter() - start
     matched = "-matched" if cfg.factory.match_intensity else ""
-    grids = out / "samples" / f"{library_dir.name}-{cfg.factory.samples_per_class}x-{cfg.factory.sampler_steps}steps{matched}-seed{cfg.seed}"
+    samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
+    grids = out / "samples" / f"{library_dir.name}-{samples}x-{cfg.factory.sampler_steps}steps{matched}-seed{cfg.seed}"
     if not grids.is_dir():  # variants that share the synthetic set share its grids
         save_class_grids(synthetic, grids)
     checkpoints = {} if cfg.factory.site_validation else None

@@ -249,7 +249,7 @@ def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ba
     one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
     K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
     one more pass over the site's batches before it trains. BatchNorm statistics are left as they were."""
-    buffers = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("weight") and not k.endswith("bias")}
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     saved_grads = [p.grad for p in model.parameters()]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [torch.zeros_like(p) for p in params]

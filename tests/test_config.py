@@ -91,3 +91,10 @@ def test_a_p2p_run_saved_before_p2p_epochs_reads_with_its_experts_trained_as_lon
     factory = {**before, "method": "factory", "factory.classifier-epochs": 12}
     assert current_run_config(factory)["factory.p2p-epochs"] == RunConfig().factory.p2p_epochs
     assert current_run_config({**p2p, "factory.p2p-epochs": 3})["factory.p2p-epochs"] == 3
+
+
+@pytest.mark.parametrize(("setting", "side", "expected"), [(0, 8, 300), (0, 16, 300), (0, 28, 1000), (0, 64, 1000),
+                                                           (50, 8, 50), (50, 64, 50)])
+def test_server_samples_per_class_follow_the_image_side_only_when_not_set(setting, side, expected):
+    factory = RunConfig.from_run_config({"factory.samples-per-class": setting}).factory
+    assert factory.server_samples_per_class(side) == expected

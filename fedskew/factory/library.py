@@ -532,9 +532,11 @@ def synthesise(
 
 
 def class_balanced_set(library: Library, factory: FactorySection, seed: int, device: torch.device) -> SyntheticSet:
-    """The server's training set: factory.samples-per-class images of every class the library covers."""
+    """The server's training set: factory.samples-per-class images (by image side where it is 0) of every
+    class the library covers."""
+    samples = factory.server_samples_per_class(library.image_shape[-1])
     return synthesise(
-        library, sampling_plan(library, factory.samples_per_class, seed), steps=factory.sampler_steps,
+        library, sampling_plan(library, samples, seed), steps=factory.sampler_steps,
         batch_size=factory.sample_batch_size, device=device,
     )  # fmt: skip
 
