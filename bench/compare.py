@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fedskew.config import RunConfig, current_run_config  # noqa: E402
+from fedskew.config import SINGLE_LABEL_METHODS, RunConfig, current_run_config  # noqa: E402
 from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
 from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
@@ -195,6 +195,12 @@ def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[st
 OVERHEAD_REPEATS = 3  # pairs behind the overhead figure unless --overhead-repeats says otherwise
 
 
+def reads_key(method: str, key: str) -> bool:
+    """Whether a run of `method` depends on `key`: only FederatedFactory's methods read `factory.*`, so a
+    baseline run stays reusable when a factory default changes."""
+    return not key.startswith("factory.") or method in SINGLE_LABEL_METHODS
+
+
 def completed_run(results_dir: Path, run_config: dict) -> Path | None:
     """The run directory under `results_dir` if it holds a completed run of `run_config` (reused on a
     re-invocation). A completed run made with other settings stops the comparison: reusing it would put
@@ -212,7 +218,7 @@ def completed_run(results_dir: Path, run_config: dict) -> Path | None:
             raise SystemExit(f"{path} holds a completed run whose config.json cannot be read ({type(exc).__name__}: "
                              f"{exc}); delete that run to redo it, or give this comparison another --out") from None
         differing = [f"{key}: {saved.get(key)!r} there, {value!r} now" for key, value in wanted.items()
-                     if key != "results-dir" and saved.get(key) != value]
+                     if key != "results-dir" and saved.get(key) != value and reads_key(wanted["method"], key)]
         if differing:
             raise SystemExit(f"{path} holds a completed run with other settings ({'; '.join(differing)}); "
                              "give this comparison another --out, or delete that run to redo it")

@@ -39,3 +39,14 @@ def test_a_completed_run_is_reused_only_for_the_same_settings(tmp_path):
     (tmp_path / "run-a" / "config.json").unlink()  # a damaged run: one clear error naming it, no traceback
     with pytest.raises(SystemExit, match=r"run-a holds a completed run whose config.json cannot be read"):
         completed_run(tmp_path, wanted)
+
+
+def test_a_baseline_run_is_reused_when_only_a_factory_setting_differs(tmp_path):
+    # A baseline never reads factory.*: its run stays valid when a factory default changes; a factory run does not.
+    baseline = {"method": "centralized", "factory.samples-per-class": 300}
+    _completed(tmp_path / "centralized" / "run", baseline)
+    assert completed_run(tmp_path / "centralized", {**baseline, "factory.samples-per-class": 0}) is not None
+    factory = {"method": "factory", "mosaic-grid": 0, "partition": "iid", "factory.samples-per-class": 300}
+    _completed(tmp_path / "factory" / "run", factory)
+    with pytest.raises(SystemExit, match="factory.samples-per-class: 300 there, 0 now"):
+        completed_run(tmp_path / "factory", {**factory, "factory.samples-per-class": 0})
