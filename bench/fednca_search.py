@@ -43,7 +43,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -226,10 +226,12 @@ class DictStore:
         self.tensors[name] = dict(tensors)
 
 
-def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False):
+def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False,
+                       refill: Callable[[], None] | None = None):
     """A `before_step` hook that forgets the optimiser's state (AdamW's moments and step count) before every
     `every`-th step, as a federated site's fresh AdamW does each round; the lr schedule goes on. With
-    `first_moment_only` it zeroes AdamW's first moment and keeps the second moment and the step count."""
+    `first_moment_only` it zeroes AdamW's first moment and keeps the second moment and the step count;
+    `refill` then sets the fresh state (`warm_start_adam`)."""
     calls = itertools.count()
 
     def restart() -> None:
@@ -239,16 +241,19 @@ def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_momen
             optimizer.state.clear()
         for state in optimizer.state.values():
             state["exp_avg"].zero_()
+        if refill is not None:
+            refill()
 
     return restart
 
 
 def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
-                    device: torch.device) -> None:
+                    device: torch.device, limit: int | None = None) -> None:
     """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
     one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
     K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
-    one more pass over the site's batches before it trains. BatchNorm statistics are left as they were."""
+    one more pass over the site's batches before it trains (the first `limit` of them, if given). BatchNorm
+    statistics are left as they were."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     saved_grads = [p.grad for p in model.parameters()]
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -256,7 +261,7 @@ def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ba
     squares = [torch.zeros_like(p) for p in params]
     model.train()
     count = 0
-    for x, y in batches:
+    for x, y in itertools.islice(batches, limit):
         model.zero_grad(set_to_none=True)
         loss_fn(model, x.to(device), y.to(device)).backward()
         for p, total, square in zip(params, sums, squares):
@@ -274,22 +279,6 @@ def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ba
             mean, mean_square = moments[id(p)]
             optimizer.state[p] = {"step": torch.tensor(float(count)), "exp_avg": mean * (1 - beta1**count),
                                   "exp_avg_sq": mean_square * (1 - beta2**count)}
-
-
-def warm_started_restarts(optimizer: torch.optim.Optimizer, every: int, model: torch.nn.Module, loader, loss_fn,
-                          device: torch.device):
-    """`optimizer_restarts` whose restart warm-starts the moments (`warm_start_adam`) from the next `every`
-    batches of a second pass over `loader`, as a site would from its round's batches."""
-    calls = itertools.count()
-    batches = (batch for _ in itertools.count() for batch in loader)
-
-    def restart() -> None:
-        if next(calls) % every:
-            return
-        optimizer.state.clear()
-        warm_start_adam(optimizer, model, itertools.islice(batches, every), loss_fn, device)
-
-    return restart
 
 
 def warm_started_train_local(model, loader, *, optimizer, loss_fn, device, **rest):
@@ -325,12 +314,12 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         labels = np.concatenate([s.train_labels for s in sites])
         loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
         optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
-        if optimizer_reset_steps and moment_warm_start:
-            before_step = warm_started_restarts(optimizer, optimizer_reset_steps, model, loader, loss_fn, device)
-        elif optimizer_reset_steps:
-            before_step = optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset)
-        else:
-            before_step = None
+        # A warm start reads the next batches of a second pass over the pooled data, as a site reads its round's.
+        batches = (batch for _ in itertools.count() for batch in loader)
+        refill = (functools.partial(warm_start_adam, optimizer, model, batches, loss_fn, device, optimizer_reset_steps)
+                  if moment_warm_start else None)
+        before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset, refill)
+                       if optimizer_reset_steps else None)
         for _ in range(cfg.num_server_rounds):
             train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                         loss_fn=loss_fn, device=device, before_step=before_step)
