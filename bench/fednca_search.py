@@ -176,6 +176,9 @@ TRIALS = [
     # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
+    # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
+    ("fednca-e1-r60-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
+    ("centralized-e1-r60-shift", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -313,7 +316,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         images = np.concatenate([s.train_images for s in sites])
         labels = np.concatenate([s.train_labels for s in sites])
         loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
-        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
+        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
         # A warm start reads the next batches of a second pass over the pooled data, as a site reads its round's.
         batches = (batch for _ in itertools.count() for batch in loader)
         refill = (functools.partial(warm_start_adam, optimizer, model, batches, loss_fn, device, optimizer_reset_steps)

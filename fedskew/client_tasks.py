@@ -26,7 +26,9 @@ from fedskew.data.sites import SiteData, load_partition, simulated_site
 from fedskew.models.build import build_model
 from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
 from fedskew.metrics import counted_thresholds, threshold_counts
-from fedskew.training import EVAL_BATCH_SIZE, classification_loss, evaluate, make_loader, pick_device, predict, sgd, train_local
+from fedskew.training import (
+    EVAL_BATCH_SIZE, augmented, classification_loss, evaluate, make_loader, pick_device, predict, sgd, train_local,
+)
 
 UNIT_WEIGHT_KEY = "unit-weight"  # reported as 1 with every reply: the weight of an unweighted average
 
@@ -87,14 +89,15 @@ def _site_model(
     return model
 
 
-def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, server_round: int):
-    """(optimizer, scheduler, loss_fn) for the run's model. FedNCA-ML's warm-up/decay schedule spans
+def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, server_round: int, augment_seed: int):
+    """(optimizer, scheduler, loss_fn) for the run's model; the loss sees the images augmented as `augment`
+    says, with draws seeded by `augment_seed`. FedNCA-ML's warm-up/decay schedule spans
     the whole run (num-server-rounds x steps_per_round), so each round continues it where the previous
     round stopped, or (fednca.schedule-span = "round") each round's steps alone; its centralised bound
     builds it once (round 1) over its whole run and trains every round with it."""
     if not cfg.fednca_model:
         momentum = 0.0 if cfg.method in PLAIN_SGD_METHODS else cfg.momentum
-        return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, classification_loss
+        return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, augmented(classification_loss, cfg.augment, augment_seed)
     nca = cfg.fednca
     per_round = nca.schedule_span == "round" and cfg.method != "centralized"
     total_steps = steps_per_round if per_round else cfg.num_server_rounds * steps_per_round
@@ -107,7 +110,7 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
         warmup_steps=warmup_steps(nca.warmup_epochs, steps_per_round / cfg.local_epochs, total_steps),
         step_offset=0 if per_round else (server_round - 1) * steps_per_round,
     )
-    loss_fn = functools.partial(
+    loss_fn = augmented(functools.partial(
         fednca_loss,
         rejection_weight=nca.rejection_weight,
         contrastive_weight=nca.contrastive_weight,
@@ -115,7 +118,7 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
         rejection_scope=nca.rejection_scope,
         tau=nca.tau,
         use_regularisers=nca.regularisers,
-    )
+    ), cfg.augment, augment_seed)
     return optimizer, scheduler, loss_fn
 
 
@@ -228,11 +231,10 @@ def train_site(
     `site_state`, never sent)."""
     device = pick_device(cfg.device)
     model = _site_model(cfg, site, state, etf).to(device)
-    loader = make_loader(
-        site.train_images, site.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + 1000 * server_round + site.site_id
-    )
+    round_seed = cfg.seed + 1000 * server_round + site.site_id
+    loader = make_loader(site.train_images, site.train_labels, cfg.batch_size, shuffle=True, seed=round_seed)
     steps = cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size)
-    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round)
+    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round, augment_seed=round_seed)
     before_step, finish, restored = drift_correction(cfg, model, site_state, server_control, steps)
     keep_optimizer = cfg.method == "fednca" and cfg.fednca.keep_optimizer_state
     if keep_optimizer:

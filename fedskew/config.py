@@ -342,6 +342,11 @@ class RunConfig(_Section):
     num_server_rounds: int = Field(60, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
     local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round at each site.")
     batch_size: int = Field(32, ge=1, le=65536, description="Local mini-batch size.")
+    augment: Literal["none", "shift", "shift-flip"] = Field(
+        "none", description="Augmentation of the training images at the sites and in the centralised run (not "
+        "FederatedFactory's, see `factory.augment`): `shift` moves each image by up to 1/8 of its side, "
+        "`shift-flip` also mirrors half of them (only where a mirrored image keeps its labels)."
+    )
     lr: float = Field(0.05, gt=0, le=10, description="Local SGD learning rate (FedAvg, FedProx, centralised).")
     momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum (scaffold and feddyn train without).")
     weight_decay: float = Field(5e-4, ge=0, le=1, description="Local SGD weight decay.")

@@ -300,7 +300,7 @@ def train_centralized(
     recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
-    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1)
+    optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
     recorder.record_round(0, evaluate(model, test.test_images, test.test_labels, device=device))
     for server_round in range(1, cfg.num_server_rounds + 1):
         stats = train_local(

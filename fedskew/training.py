@@ -51,6 +51,40 @@ def classification_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     return F.cross_entropy(logits, y)
 
 
+def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to `max_shift` px in each axis (zero fill): pad, then crop per image."""
+    n, channels, height, width = x.shape
+    padded = F.pad(x, (max_shift,) * 4)
+    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n), generator=generator).to(x.device)
+    rows = (dy[:, None] + torch.arange(height, device=x.device))[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(width, device=x.device))[:, None, None, :]
+    batch = torch.arange(n, device=x.device)[:, None, None, None]
+    chans = torch.arange(channels, device=x.device)[None, :, None, None]
+    return padded[batch, chans, rows, cols]
+
+
+AUGMENTATIONS = ("none", "shift", "shift-flip")
+
+
+def augmented(loss_fn: LossFn, augment: str, seed: int) -> LossFn:
+    """`loss_fn` on randomly shifted training images (up to 1/8 of the side, zero fill) and, for
+    "shift-flip", mirrored ones (each image with probability 1/2); `loss_fn` itself for "none"."""
+    if augment not in AUGMENTATIONS:
+        raise ValueError(f"augment must be one of {AUGMENTATIONS}, got {augment!r}")
+    if augment == "none":
+        return loss_fn
+    generator = torch.Generator().manual_seed(seed)
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = random_shift(x, max(1, x.shape[-1] // 8), generator)
+        if augment == "shift-flip":
+            mirror = (torch.rand(len(x), generator=generator) < 0.5).to(x.device)
+            x = torch.where(mirror[:, None, None, None], x.flip(3), x)
+        return loss_fn(model, x, y)
+
+    return loss
+
+
 def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 

@@ -33,7 +33,7 @@ def _model_and_optimiser(run_config: dict):
     data = load_task_dataset(cfg)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
     model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
-    return model, local_optimisation(cfg, model, steps_per_round=10, server_round=1)
+    return model, local_optimisation(cfg, model, steps_per_round=10, server_round=1, augment_seed=0)
 
 
 def test_centralized_on_multi_label_data_trains_fednca_models_losses_and_adamw_schedule():

@@ -104,3 +104,19 @@ class RecordStore:
         from flwr.app import ArrayRecord
 
         self.records[name] = ArrayRecord({k: v.contiguous() for k, v in tensors.items()})
+
+
+@pytest.mark.parametrize("method", ["fednca", "fedavg"])
+def test_a_site_trains_on_augmented_images_reproducibly(method):
+    def one_round(augment: str) -> dict[str, torch.Tensor]:
+        cfg = RunConfig.from_run_config({"method": method, "batch-size": 64, "num-server-rounds": 2, "augment": augment})
+        site = simulated_site(cfg, 0, 10)
+        etf = server_etf(cfg, site.num_classes, site.train_images.shape[1:]) if method == "fednca" else None
+        torch.manual_seed(0)
+        state = build_model(cfg, site.num_classes, site.train_images.shape[1:], etf=etf).state_dict()
+        return train_site(cfg, site, state, server_round=1, proximal_mu=0.0,
+                          etf=None if etf is None else etf.numpy())[0]
+
+    plain, shifted, shifted_again = one_round("none"), one_round("shift"), one_round("shift")
+    assert all(torch.equal(shifted[name], shifted_again[name]) for name in shifted)
+    assert any(not torch.equal(plain[name], shifted[name]) for name in plain if plain[name].is_floating_point())

@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset, simulated_site
-from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, random_shift, stratified_holdout
+from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, stratified_holdout
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
@@ -36,6 +36,7 @@ from fedskew.factory.site import MemorizationRefusal, check_memorization, genera
 from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
+from fedskew.training import random_shift
 from fedskew.strategies.factory import decode_modules, encode_modules
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum

@@ -15,7 +15,7 @@ def _rates(run_config: dict, server_round: int, steps_per_round: int = 10) -> li
     parameter = torch.nn.Parameter(torch.zeros(2, 2))
     model = torch.nn.Module()
     model.weight = parameter
-    optimizer, scheduler, _ = local_optimisation(cfg, model, steps_per_round, server_round)
+    optimizer, scheduler, _ = local_optimisation(cfg, model, steps_per_round, server_round, augment_seed=0)
     rates = []
     for _ in range(steps_per_round):
         rates.append(optimizer.param_groups[0]["lr"])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fedskew.models.backbones import Classifier, ResNet, SmallCNN
-from fedskew.training import evaluate, make_loader, pick_device, sgd, train_local
+from fedskew.training import augmented, evaluate, make_loader, pick_device, sgd, train_local
 
 
 def _separable_data(multilabel: bool, n: int = 64):
@@ -72,3 +72,43 @@ def test_a_diverging_loss_is_reported_not_trained_on():
     with pytest.raises(FloatingPointError, match="lower `lr`"):
         train_local(model, make_loader(images, labels, 64, False), epochs=1, optimizer=sgd(model, 0.05, 0.9, 0),
                     device=torch.device("cpu"))
+
+
+def _seen_by(augment: str, images: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The images the loss of an `augmented` loss function is computed on."""
+    seen = []
+    loss = augmented(lambda model, x, y: seen.append(x) or x.sum(), augment, seed)
+    loss(None, images, torch.zeros(len(images)))
+    return seen[0]
+
+
+def test_no_augmentation_is_the_loss_itself():
+    def loss(model, x, y):
+        return x.sum()
+
+    assert augmented(loss, "none", 0) is loss
+    with pytest.raises(ValueError, match="augment must be one of"):
+        augmented(loss, "rotate", 0)
+
+
+@pytest.mark.parametrize("augment", ["shift", "shift-flip"])
+def test_augmentation_moves_each_pixel_by_at_most_an_eighth_of_the_side(augment):
+    # One lit pixel per image, far enough from the border that no shift of up to 16 // 8 = 2 px drops it.
+    images = torch.zeros(64, 1, 16, 16)
+    images[:, 0, 5, 9] = 1.0
+    seen = _seen_by(augment, images)
+    assert seen.shape == images.shape
+    assert torch.equal(seen.sum(dim=(1, 2, 3)), torch.ones(64))  # moved, never duplicated or lost
+    rows, cols = (seen[:, 0] == 1).nonzero()[:, 1:].T
+    assert (rows - 5).abs().max() <= 2
+    mirrored_cols = 15 - cols  # where the pixel lands if the image was mirrored after the shift
+    within = (cols - 9).abs() <= 2
+    if augment == "shift":
+        assert within.all()
+    else:
+        mirrored = (mirrored_cols - 9).abs() <= 2
+        assert (within | mirrored).all() and mirrored.any() and within.any()
+    # 25 possible shifts over 64 images: a draw that never moves a pixel would be a broken generator.
+    assert len(set(zip(rows.tolist(), cols.tolist()))) > 5
+    assert torch.equal(seen, _seen_by(augment, images))  # the seed fixes the draws
+    assert not torch.equal(seen, _seen_by(augment, images, seed=1))

@@ -23,7 +23,7 @@ from fedskew.factory.library import UploadRejected
 from fedskew.models.backbones import Classifier, build_backbone
 from fedskew.models.build import weights_mismatch
 from fedskew.models.edm2 import augment as flip_rotate
-from fedskew.training import LossFn, evaluate, make_loader, train_local
+from fedskew.training import LossFn, evaluate, make_loader, random_shift, train_local
 
 # log(1e-12): an expert that rules a class out cannot veto it by more than this.
 LOG_PROB_FLOOR = math.log(1e-12)
@@ -65,18 +65,6 @@ def stratified_holdout(labels: np.ndarray, fraction: float, seed: int) -> tuple[
         val.append(members[:n_val])
         train.append(members[n_val:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
-
-
-def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Translate each image by up to `max_shift` px in each axis (zero fill): pad, then crop per image."""
-    n, channels, height, width = x.shape
-    padded = F.pad(x, (max_shift,) * 4)
-    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n), generator=generator).to(x.device)
-    rows = (dy[:, None] + torch.arange(height, device=x.device))[:, None, :, None]
-    cols = (dx[:, None] + torch.arange(width, device=x.device))[:, None, None, :]
-    batch = torch.arange(n, device=x.device)[:, None, None, None]
-    chans = torch.arange(channels, device=x.device)[None, :, None, None]
-    return padded[batch, chans, rows, cols]
 
 
 def augmented_cross_entropy(augment: str, seed: int) -> LossFn:
