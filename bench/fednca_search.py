@@ -179,6 +179,12 @@ TRIALS = [
     # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
     ("fednca-e1-r60-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     ("centralized-e1-r60-shift", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
+    # Memory lets the sites fit their images (AdamW kept or averaged); does augmentation keep that from over-fitting?
+    ("fednca-e1-r60-keep-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift",
+                                            "fednca.keep-optimizer-state": True}),
+    ("fednca-e1-r60-adam-averaged-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift",
+                                                     "fednca.keep-optimizer-state": True,
+                                                     "bench.average-optimizer-state": "both"}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
