@@ -54,7 +54,7 @@ from fedskew.training import evaluate, pick_device
 SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
 # The keys that shape a site's generator weights (everything else is the server's side; the audit's
 # sampler settings change only the recorded memorisation share, not the weights).
-GENERATOR_KEYS = ("generator", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
+GENERATOR_KEYS = ("generator", "generator_channels", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
 
 
 def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, Path, float]:

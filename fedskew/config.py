@@ -115,6 +115,11 @@ class FactorySection(_Section):
         "cpu", description="EDM2 preset: `cpu` (16 channels, 2 levels) or the paper's `gpu-32px` (128 channels, "
         "4 levels, ~50 M parameters; needs images whose side halves 3 times, e.g. image-size 32)."
     )
+    generator_channels: int = Field(
+        0, ge=0, le=1024, description="Channels of each generator's first UNet level, the deeper levels scaled "
+        "alike (0 = the preset's: cpu 16, gpu-32px 128). Textured colour images need more than 16; cost grows "
+        "about with its square."
+    )
     generator_images: int = Field(
         0, ge=0, le=10_000_000_000, description="Training budget per generator in images seen, whatever batch the "
         "class size gives (0 = the preset's: cpu 25,600 at 8 px, 12,800 more per extra UNet level at larger "

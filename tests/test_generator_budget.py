@@ -3,6 +3,8 @@ and the CPU preset grows with the image instead of reusing the 8 px architecture
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fedskew.config import RunConfig
@@ -51,3 +53,17 @@ def test_cpu_preset_adds_levels_until_the_deepest_is_at_most_8_px(side, mult, at
     if side == 8:  # the 8 px defaults are unchanged
         assert config == generator_config(factory, (1, 8, 8), 0, 360, 0) and config.num_blocks == CPU_PRESET.num_blocks
     build_generator(config)  # a valid architecture at that size
+
+
+@pytest.mark.parametrize(("preset", "channels", "expected"), [("cpu", 0, 16), ("cpu", 32, 32), ("gpu-32px", 0, 128), ("gpu-32px", 64, 64)])
+def test_generator_width_is_the_presets_unless_set(preset, channels, expected):
+    factory = RunConfig.from_run_config({"factory.generator": preset, "factory.generator-channels": channels}).factory
+    config = generator_config(factory, (3, 32, 32), 0, 180, 0)
+    assert config.model_channels == expected
+    narrow = generator_config(RunConfig.from_run_config({"factory.generator": preset}).factory, (3, 32, 32), 0, 180, 0)
+    assert dataclasses.replace(config, model_channels=narrow.model_channels) == narrow  # nothing else changes
+    weights = sum(p.numel() for p in build_generator(config, "meta").parameters())
+    narrow_weights = sum(p.numel() for p in build_generator(narrow, "meta").parameters())
+    # Every conv's weights grow with in x out channels: the count scales as the width's square, within the
+    # few per-channel terms (gains, biases) that grow linearly.
+    assert weights / narrow_weights == pytest.approx((expected / narrow.model_channels) ** 2, rel=0.05)

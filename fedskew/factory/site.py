@@ -65,7 +65,8 @@ class EpsilonRefusal(UploadRefusal):
 def generator_config(
     factory: FactorySection, image_shape: tuple[int, int, int], label_dim: int, n_images: int, seed: int
 ) -> GeneratorConfig:
-    """The preset adapted to the data: image size and channels, attention at the same levels, the
+    """The preset adapted to the data: image size and channels, its width (factory.generator-channels),
+    attention at the same levels, the
     paper's batch rule for the class size, and a budget in images seen (factory.generator-images, or
     factory.generator-steps x the batch) whatever the batch; t_ref and the ramp-up scale with the budget
     (as EDM2 does for short runs), and the ramp-up ends before the decay so the lr reaches its reference."""
@@ -83,6 +84,7 @@ def generator_config(
         img_resolution=height,
         img_channels=channels,
         label_dim=label_dim,
+        model_channels=factory.generator_channels or preset.model_channels,
         attn_resolutions=attn,
         total_images=max(total, preset.batch_size),
         t_ref=max(1, round(preset.t_ref * scale)),

@@ -1,0 +1,31 @@
+import json
+
+import numpy as np
+from PIL import Image
+
+from bench.generator_probe import flat_colours, main, tile
+
+
+def test_flat_control_is_one_colour_per_image():
+    images = flat_colours(5, 8, seed=0)
+    assert images.shape == (5, 3, 8, 8) and images.dtype == np.float32
+    assert np.array_equal(images.max(axis=(2, 3)), images.min(axis=(2, 3))) and len(np.unique(images[:, 0, 0, 0])) == 5
+
+
+def test_tile_lays_images_out_in_rows_of_eight():
+    images = np.zeros((16, 1, 4, 4), dtype=np.float32)
+    images[9] = 1.0  # second row, second column
+    grid = tile(images)
+    assert grid.shape == (8, 32, 3)
+    assert grid[4:8, 4:8].min() == 1.0 and grid.sum() == 16 * 3
+
+
+def test_probe_writes_a_grid_and_the_class_fd_beside_its_floor(tmp_path):
+    main(["--dataset", "digits", "--image-size", "8", "--class-id", "3", "--steps", "2", "--channels", "8",
+          "--out", str(tmp_path)])
+    [record] = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert record["steps"] == 2 and record["channels"] == 8 and record["train_seconds"] > 0
+    # Two steps of training draw noise: further from the class's test images than real training images are.
+    assert record["fd"] > record["fd_floor"] >= 0
+    grid = Image.open(tmp_path / "digits-8px-class3-2steps-8ch.png")
+    assert grid.size == (2 * 8 * 8 * 4, 8 * 8 * 4)  # synthetic and real side by side, 8 x 8 images each, x4
