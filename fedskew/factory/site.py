@@ -66,10 +66,10 @@ def generator_config(
     factory: FactorySection, image_shape: tuple[int, int, int], label_dim: int, n_images: int, seed: int
 ) -> GeneratorConfig:
     """The preset adapted to the data: image size and channels, its width (factory.generator-channels),
-    attention at the same levels, the
-    paper's batch rule for the class size, and a budget in images seen (factory.generator-images, or
-    factory.generator-steps x the batch) whatever the batch; t_ref and the ramp-up scale with the budget
-    (as EDM2 does for short runs), and the ramp-up ends before the decay so the lr reaches its reference."""
+    attention at the same levels, the paper's batch rule for the class size, and a budget in images seen
+    (factory.generator-images, or factory.generator-steps x the batch) whatever the batch; t_ref and the
+    ramp-up scale with the budget (as EDM2 does for short runs), and the ramp-up ends before the decay so
+    the lr reaches its reference."""
     channels, height, width = image_shape
     if height != width:
         raise ValueError(f"generators need square images, got {height} x {width}; set run-config image-size")
