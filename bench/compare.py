@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import statistics
+import subprocess
 import time
 import tomllib
 from concurrent.futures import ProcessPoolExecutor
@@ -351,6 +352,22 @@ def measure_overhead(args, run_config: dict) -> dict:
             "cpu_ratio": statistics.median(p["cpu_ratio"] for p in pairs)}
 
 
+def run_in_flower(superlink, label: str, run_config: dict, num_sites: int, timeout: float, out: Path) -> None:
+    """One Flower run of the comparison; SystemExit naming the run and what to do when it fails or runs past
+    `timeout` (the runs finished before it stay in OUT's table and are reused by a re-run)."""
+    try:
+        outcome = superlink.run_app(run_config, num_sites, timeout=timeout, echo=True)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(
+            f"{label} did not finish within --timeout {timeout:g} s and was stopped; what it wrote is in "
+            f"{run_config['results-dir']}. The runs finished before it are in {out / 'results.md'} and are reused "
+            "when the same command runs again with a larger --timeout (FederatedFactory with wider or longer-trained "
+            "generators can need several hours on a CPU)."
+        ) from None
+    if not outcome.completed:
+        raise SystemExit(f"{label} ended {outcome.status}:\n{outcome.output[-3000:]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", required=True, help="comma-separated, e.g. fedavg,fedprox,centralized")
@@ -401,9 +418,7 @@ def main(argv: list[str] | None = None) -> None:
             done = completed_run(Path(run_config["results-dir"]), run_config)
             if done is None:
                 print(f"== {name} seed {seed}", flush=True)
-                outcome = superlink.run_app(run_config, args.num_sites, timeout=args.timeout, echo=True)
-                if not outcome.completed:
-                    raise SystemExit(f"{name} seed {seed} ended {outcome.status}:\n{outcome.output[-3000:]}")
+                run_in_flower(superlink, f"{name} seed {seed}", run_config, args.num_sites, args.timeout, args.out)
                 done = completed_run(Path(run_config["results-dir"]), run_config)
             else:
                 print(f"== {name} seed {seed}: reusing {done}", flush=True)

@@ -4,12 +4,14 @@ reuses a completed run only when its settings are the ones asked for."""
 
 import json
 import shlex
+import subprocess
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.compare import completed_run, shell_quote
+from bench.compare import completed_run, run_in_flower, shell_quote
 from fedskew.config import RunConfig
 
 
@@ -50,3 +52,22 @@ def test_a_baseline_run_is_reused_when_only_a_factory_setting_differs(tmp_path):
     _completed(tmp_path / "factory" / "run", factory)
     with pytest.raises(SystemExit, match="factory.samples-per-class: 300 there, 0 now"):
         completed_run(tmp_path / "factory", {**factory, "factory.samples-per-class": 0})
+
+
+class _SuperLinkPastItsTimeout:
+    def run_app(self, run_config, num_sites, timeout, echo):
+        raise subprocess.TimeoutExpired(["flwr", "run"], timeout)
+
+
+class _SuperLinkWithAFailedRun:
+    def run_app(self, run_config, num_sites, timeout, echo):
+        return SimpleNamespace(completed=False, status="failed", output="ValueError: bad site data")
+
+
+def test_a_run_past_its_timeout_or_failed_is_one_clear_error_naming_it(tmp_path):
+    config = {"method": "factory", "results-dir": str(tmp_path / "runs" / "factory-seed0")}
+    with pytest.raises(SystemExit, match=r"factory seed 0 did not finish within --timeout 3600 s .*larger --timeout") as stop:
+        run_in_flower(_SuperLinkPastItsTimeout(), "factory seed 0", config, 10, 3600, tmp_path)
+    assert str(tmp_path / "results.md") in str(stop.value) and config["results-dir"] in str(stop.value)
+    with pytest.raises(SystemExit, match="factory seed 0 ended failed:\nValueError: bad site data"):
+        run_in_flower(_SuperLinkWithAFailedRun(), "factory seed 0", config, 10, 3600, tmp_path)
