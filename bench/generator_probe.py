@@ -24,15 +24,19 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from PIL import Image
+import matplotlib
 
-from fedskew.data.pixels import unit_float
-from fedskew.data.sources import load_source
-from fedskew.fidelity import class_fidelity, classifier_features
-from fedskew.models.edm2 import budgeted_for_class, cpu_preset, sample, train_generator
-from fedskew.training import pick_device
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from fedskew.data.pixels import unit_float  # noqa: E402
+from fedskew.data.sources import load_source  # noqa: E402
+from fedskew.factory.library import tile  # noqa: E402
+from fedskew.fidelity import class_fidelity, classifier_features  # noqa: E402
+from fedskew.models.edm2 import budgeted_for_class, cpu_preset, sample, train_generator  # noqa: E402
+from fedskew.training import pick_device  # noqa: E402
 
 SAMPLES = 64
 SAMPLER_STEPS = 16
@@ -42,13 +46,6 @@ def flat_colours(count: int, side: int, seed: int) -> np.ndarray:
     """The control set: `count` RGB images, each one uniform random colour."""
     colours = np.random.default_rng(seed).uniform(0.1, 0.9, (count, 3, 1, 1))
     return np.broadcast_to(colours, (count, 3, side, side)).astype(np.float32).copy()
-
-
-def tile(images: np.ndarray, columns: int = 8) -> np.ndarray:
-    """(N, C, H, W) in [0, 1] -> one (rows*H, columns*W, 3) grid."""
-    rows = [np.concatenate(list(images[r:r + columns].transpose(0, 2, 3, 1)), axis=1) for r in range(0, len(images), columns)]
-    grid = np.concatenate(rows, axis=0)
-    return np.repeat(grid, 3, axis=-1) if grid.shape[-1] == 1 else grid
 
 
 def probe(class_images: np.ndarray, side: int, steps: int, channels: int, seed: int) -> tuple[np.ndarray, float]:
@@ -94,9 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         for channels in (int(c) for c in args.channels.split(",")):
             synthetic, seconds = probe(class_images, args.image_size, steps, channels, args.seed)
             label = f"{name}-{steps}steps-{channels}ch" + ("-grey" if args.grey else "")
-            grid = np.concatenate([tile(synthetic), tile(class_images[:SAMPLES])], axis=1)
-            Image.fromarray((grid * 255).round().clip(0, 255).astype(np.uint8)).resize(
-                (grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(args.out / f"{label}.png")
+            grid = np.concatenate([tile(synthetic, columns=8), tile(class_images[:SAMPLES], columns=8)], axis=1)
+            plt.imsave(args.out / f"{label}.png", grid.clip(0, 1), cmap="gray", vmin=0, vmax=1)
             record = {"probe": label, "dataset": args.dataset, "image_size": args.image_size, "class_id": args.class_id,
                       "grey": args.grey, "steps": steps, "channels": channels, "train_seconds": round(seconds, 1),
                       "within_image_std": {"synthetic": float(synthetic.std(axis=(2, 3)).mean()),

@@ -3,7 +3,8 @@ import json
 import numpy as np
 from PIL import Image
 
-from bench.generator_probe import flat_colours, main, tile
+from bench.generator_probe import flat_colours, main
+from fedskew.factory.library import tile
 
 
 def test_flat_control_is_one_colour_per_image():
@@ -12,12 +13,13 @@ def test_flat_control_is_one_colour_per_image():
     assert np.array_equal(images.max(axis=(2, 3)), images.min(axis=(2, 3))) and len(np.unique(images[:, 0, 0, 0])) == 5
 
 
-def test_tile_lays_images_out_in_rows_of_eight():
+def test_tile_lays_images_out_in_rows_with_one_pixel_gaps_enlarged_to_32_px():
     images = np.zeros((16, 1, 4, 4), dtype=np.float32)
     images[9] = 1.0  # second row, second column
-    grid = tile(images)
-    assert grid.shape == (8, 32, 3)
-    assert grid[4:8, 4:8].min() == 1.0 and grid.sum() == 16 * 3
+    grid = tile(images, columns=8)
+    cell = 4 * 8 + 1  # 4 px enlarged 8x to 32 px, plus the gap
+    assert grid.shape == (2 * cell, 8 * cell)
+    assert grid[cell:cell + 32, cell:cell + 32].min() == 1.0 and grid.sum() == 32 * 32
 
 
 def test_probe_writes_a_grid_and_the_class_fd_beside_its_floor(tmp_path):
@@ -28,4 +30,5 @@ def test_probe_writes_a_grid_and_the_class_fd_beside_its_floor(tmp_path):
     # Two steps of training draw noise: further from the class's test images than real training images are.
     assert record["fd"] > record["fd_floor"] >= 0
     grid = Image.open(tmp_path / "digits-8px-class3-2steps-8ch.png")
-    assert grid.size == (2 * 8 * 8 * 4, 8 * 8 * 4)  # synthetic and real side by side, 8 x 8 images each, x4
+    cell = 8 * 4 + 1  # 8 px enlarged to 32, plus the gap
+    assert grid.size == (2 * 8 * cell, 8 * cell)  # synthetic and real side by side, 8 x 8 images each
