@@ -61,6 +61,44 @@ def run_config_toml(run_config: dict[str, Any]) -> str:
     return "".join(f"{key} = {_toml_value(value)}\n" for key, value in run_config.items())
 
 
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Ids of the processes (other than this one) whose environment sets name=value, read from /proc
+    (none where there is no /proc or a process's environment is not readable)."""
+    wanted, found = f"{name}={value}".encode(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def stop_processes(pids: list[int], grace: float = 10) -> None:
+    """SIGTERM each process, SIGKILL those still alive after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [pid for pid in alive if _running(pid)]
+        pids = alive
+
+
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (an exited child nobody has waited for yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @dataclass
 class RunOutcome:
     run_id: int | None
@@ -126,6 +164,9 @@ class SimulationSuperLink:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        # A run's flwr-simulation process and its Ray workers leave the SuperLink's process group, so a run
+        # stopped half-way (a --timeout in bench.compare) would go on computing; they all carry this FLWR_HOME.
+        stop_processes(processes_with_env("FLWR_HOME", str(self.home)))
 
     def flwr(self, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
