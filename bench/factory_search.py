@@ -6,7 +6,10 @@ variant, on the exact sites a `flwr run` would simulate (single-class silos by d
         --variant "fixed-6:" --variant "site-validation: factory.site-validation=true" \
         --out bench/results/factory-search/digits-8px
 
-Every variant is a run-config overlay on --base. Sites train their generators with
+Every variant is a run-config overlay on --base; `method='factory-p2p'` evaluates the sites' experts and
+their Product of Experts (a factory-p2p run's final round) instead of the server's classifier, and
+`bench.match-experts=true` (an ablation, not a run-config key) matches the experts' synthetic images to
+the sites' histograms as factory.match-intensity does the server's. Sites train their generators with
 fedskew.factory.site (cached under OUT/generators/, keyed by the settings that shape a generator, so
 variants that differ only on the server's side reuse them); the server synthesises, trains its
 classifier (fedskew.factory.classifier) and, with factory.site-validation, asks the sites' validation
@@ -33,7 +36,7 @@ import torch
 from bench.compare import parse_run_config
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.factory.classifier import ClassifierRecipe, build_classifier, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_classifier, train_classifier
 from fedskew.factory.library import (
     Library,
     SyntheticSet,
@@ -45,7 +48,7 @@ from fedskew.factory.library import (
     write_library,
 )
 from fedskew.factory.intensity import class_histograms, match_intensity
-from fedskew.factory.site import generator_config, train_site_generators
+from fedskew.factory.site import generator_config, lacking_class_images, p2p_samples_per_class, train_site_expert, train_site_generators
 from fedskew.models.edm2 import train_generator
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
 from fedskew.fidelity import classifier_features, mean_over_classes, per_class_fidelity
@@ -124,7 +127,51 @@ def centralised_reference(cfg: RunConfig, sites: list[SiteData], test, device) -
     return model, {"accuracy": metrics["accuracy"], "seconds": time.perf_counter() - start}
 
 
-def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict) -> dict:
+def site_lacking_images(cfg: RunConfig, site: SiteData, library: Library, directory: Path, device: torch.device) -> SyntheticSet | None:
+    """A site's P2P synthetic images of the classes it lacks, cached next to the library they come from."""
+    samples = p2p_samples_per_class(site, cfg.factory)
+    path = directory / f"site{site.site_id}-lacking-{samples}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}.safetensors"
+    if path.is_file():
+        return load_synthetic(path)
+    synthetic = lacking_class_images(cfg, site, library, device)
+    if synthetic is not None:
+        save_synthetic(synthetic, path)
+    return synthetic
+
+
+def p2p_variant(cfg: RunConfig, sites: list[SiteData], library: Library, directory: Path, test, device,
+                match_experts: bool = False) -> dict:
+    """factory-p2p's second round in-process: every site's expert (the function the P2P handler calls) and
+    their Product of Experts on the test split. `match_experts` (the `bench.match-experts` ablation, not a
+    run-config key): the experts' synthetic images are matched to the sites' summed histograms, as the
+    server's are under factory.match-intensity."""
+    histograms = summed_histograms(sites, library.num_classes)
+    experts, rows, seconds = [], [], 0.0
+    for site in sites:
+        synthetic = site_lacking_images(cfg, site, library, directory, device)
+        if match_experts and synthetic is not None:
+            synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
+        start = time.perf_counter()
+        state, metrics = train_site_expert(cfg, site, library, device, synthetic)
+        seconds += time.perf_counter() - start
+        model = build_classifier(cfg.factory.classifier, library.image_shape, library.num_classes)
+        model.load_state_dict(state)
+        experts.append(model.eval())
+        rows.append({"site": site.site_id, "test_accuracy": evaluate(model, test.test_images, test.test_labels, device=device)["accuracy"],
+                     **{k: metrics[k] for k in ("best_epoch", "last_epoch", "val_accuracy", "train_loss")}})  # fmt: skip
+        print(f"  expert {site.site_id}: test accuracy {rows[-1]['test_accuracy']:.3f}, best epoch {metrics['best_epoch']} "
+              f"of {metrics['last_epoch']}", flush=True)  # fmt: skip
+    poe = evaluate(ExpertEnsemble(experts), test.test_images, test.test_labels, device=device)
+    return {"poe": poe, "experts": rows, "classifier_seconds": seconds,
+            "best_epoch": statistics.mean(r["best_epoch"] for r in rows), "last_epoch": statistics.mean(r["last_epoch"] for r in rows)}  # fmt: skip
+
+
+def summed_histograms(sites: list[SiteData], num_classes: int) -> np.ndarray:
+    """What the sites' uploads carry with factory.match-intensity, summed over the sites."""
+    return sum(class_histograms(s.train_images, s.train_labels, num_classes) for s in sites)
+
+
+def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False) -> dict:
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
@@ -134,10 +181,19 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         references[ref_key] = centralised_reference(cfg, sites, test, device)
     reference, reference_metrics = references[ref_key]
     real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
+    if cfg.method == "factory-p2p":  # the Product of Experts (a factory-p2p run's final round) instead of the server's classifier
+        p2p = p2p_variant(cfg, sites, library, library_dir, test, device, match_experts)
+        return {
+            "variant": name, "seed": cfg.seed, "accuracy": p2p["poe"]["accuracy"], "balanced_accuracy": p2p["poe"]["balanced_accuracy"],
+            "per_class_recall": p2p["poe"]["per_class_recall"], "centralised_accuracy": reference_metrics["accuracy"],
+            "ratio_to_centralised": p2p["poe"]["accuracy"] / reference_metrics["accuracy"],
+            "min_class_recall": min(p2p["poe"]["per_class_recall"]), "generator_seconds": generator_seconds,
+            **{k: p2p[k] for k in ("best_epoch", "last_epoch", "classifier_seconds", "experts")},
+        }  # fmt: skip
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device)
-    if cfg.factory.match_intensity:  # what the sites' uploads carry, summed over the sites
-        histograms = sum(class_histograms(s.train_images, s.train_labels, library.num_classes) for s in sites)
+    if cfg.factory.match_intensity:
+        histograms = summed_histograms(sites, library.num_classes)
         synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
     synthesis_seconds = time.perf_counter() - start
     matched = "-matched" if cfg.factory.match_intensity else ""
@@ -295,8 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, overlay in map(parse_variant, args.variant):
             if (name, seed) in done:
                 continue
-            cfg = RunConfig.from_run_config({**base, "method": "factory", "seed": seed, **overlay})
-            result = run_variant(cfg, args.num_sites, args.out, name, references)
+            settings = {"method": "factory", **base, "seed": seed, **overlay}
+            match_experts = bool(settings.pop("bench.match-experts", False))
+            cfg = RunConfig.from_run_config(settings)
+            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts)
             result["run_config"] = {**base, **overlay}
             results.append(result)
             path.write_text(json.dumps(results, indent=1) + "\n")

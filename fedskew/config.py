@@ -101,6 +101,8 @@ class FedNCASection(_Section):
 
 # factory.samples-per-class = 0: the server's synthetic images per class by image side.
 SMALL_IMAGE_SIDE, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS = 16, 300, 1000
+# factory.p2p-epochs = 0: the experts' epochs up to SMALL_IMAGE_SIDE px and above it.
+SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS = 6, 20
 
 
 class FactorySection(_Section):
@@ -251,9 +253,20 @@ class FactorySection(_Section):
         "training its classifier (in factory-p2p the round-1 classifier; the experts train on unmatched images)."
     )
     p2p_epochs: int = Field(
-        6, ge=1, le=10_000, description="P2P: epochs of each site's expert classifier (otherwise the server "
-        "classifier's recipe); ten experts train at the sites where the server trains one classifier."
+        0, ge=0, le=10_000, description="P2P: epochs of each site's expert classifier (otherwise the server "
+        f"classifier's recipe; 0 = by image side: {SMALL_IMAGE_EXPERT_EPOCHS} up to {SMALL_IMAGE_SIDE} px, "
+        f"{LARGE_IMAGE_EXPERT_EPOCHS} above); ten experts train at the sites where the server trains one classifier."
     )
+
+    def expert_epochs(self, image_side: int) -> int:
+        """`p2p-epochs`, or where it is 0 the count for images of `image_side` px: at 28 px 6 epochs left the
+        experts under-trained (Product of Experts 0.61x of the centralised model, every expert best at its
+        last epoch) and 20 reach 0.94x (docs/benchmarks-factory.md); at 16 px and below 6 keep the P2P quick
+        start under 10 minutes on 2 cores with ResNet-18 experts."""
+        if self.p2p_epochs:
+            return self.p2p_epochs
+        return SMALL_IMAGE_EXPERT_EPOCHS if image_side <= SMALL_IMAGE_SIDE else LARGE_IMAGE_EXPERT_EPOCHS
+
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."
     )

@@ -98,3 +98,10 @@ def test_a_p2p_run_saved_before_p2p_epochs_reads_with_its_experts_trained_as_lon
 def test_server_samples_per_class_follow_the_image_side_only_when_not_set(setting, side, expected):
     factory = RunConfig.from_run_config({"factory.samples-per-class": setting}).factory
     assert factory.server_samples_per_class(side) == expected
+
+
+@pytest.mark.parametrize(("setting", "side", "expected"), [(0, 8, 6), (0, 16, 6), (0, 17, 20), (0, 28, 20), (0, 64, 20),
+                                                           (3, 8, 3), (3, 64, 3)])
+def test_expert_epochs_follow_the_image_side_only_when_not_set(setting, side, expected):
+    factory = RunConfig.from_run_config({"factory.p2p-epochs": setting}).factory
+    assert factory.expert_epochs(side) == expected

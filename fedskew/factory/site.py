@@ -22,6 +22,7 @@ from fedskew.factory.library import (
     GeneratorModule,
     Library,
     PlannedModule,
+    SyntheticSet,
     derived_seed,
     module_id_for,
     sampling_plan,
@@ -275,27 +276,31 @@ def p2p_samples_per_class(site: SiteData, factory: FactorySection) -> int:
     return max(1, round(counts[counts > 0].mean()))
 
 
-def train_site_expert(
-    cfg: RunConfig, site: SiteData, library: Library, device: torch.device
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """P2P: synthesise the classes the site lacks from the relayed library, train the site's own
-    classifier on its real training images plus those, return its weights and metrics."""
-    factory = cfg.factory
+def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, device: torch.device) -> SyntheticSet | None:
+    """P2P: synthetic images of the classes the site lacks, drawn from the relayed library (None when it
+    lacks none)."""
     lacking = lacking_classes(site, library)
-    images, labels = site.train_images, site.train_labels
+    if not lacking:
+        return None
+    plan = sampling_plan(library, p2p_samples_per_class(site, cfg.factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking)
+    factory = cfg.factory
+    return synthesise(library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device, progress=False)
+
+
+def train_site_expert(
+    cfg: RunConfig, site: SiteData, library: Library, device: torch.device, synthetic: SyntheticSet | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """P2P: train the site's own classifier on its real training images plus synthetic images of the
+    classes it lacks (`synthetic`, else drawn here by lacking_class_images); return its weights and metrics."""
+    factory = cfg.factory
+    images, labels = unit_float(site.train_images), site.train_labels
     synthesis, training = Elapsed(), Elapsed()
-    if lacking:
-        plan = sampling_plan(
-            library, p2p_samples_per_class(site, factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking
-        )
+    if synthetic is None:
         with timed(synthesis):
-            synthetic = synthesise(
-                library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
-                progress=False,
-            )  # fmt: skip
-        images = np.concatenate([unit_float(images), synthetic.images])
-        labels = np.concatenate([labels, synthetic.labels])
-    recipe = dataclasses.replace(ClassifierRecipe.from_section(factory), epochs=factory.p2p_epochs)
+            synthetic = lacking_class_images(cfg, site, library, device)
+    if synthetic is not None:
+        images, labels = np.concatenate([images, synthetic.images]), np.concatenate([labels, synthetic.labels])
+    recipe = dataclasses.replace(ClassifierRecipe.from_section(factory), epochs=factory.expert_epochs(site.train_images.shape[-1]))
     with timed(training):
         model, stats = train_classifier(
             images, labels, site.num_classes, recipe,
@@ -305,7 +310,7 @@ def train_site_expert(
         "num-examples": len(labels),
         "real_images": len(site.train_labels),
         "synthetic_images": len(labels) - len(site.train_labels),
-        "lacking_classes": len(lacking),
+        "lacking_classes": len(lacking_classes(site, library)),
         **synthesis.as_metrics("synthesis"),
         **training.as_metrics("classifier"),
         **{k: v for k, v in stats.items() if isinstance(v, (int, float))},

@@ -1,0 +1,48 @@
+"""bench.factory_search's P2P round: the experts the P2P handler trains, their Product of Experts, cached
+synthetic images reused across variants."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.factory_search import main
+
+TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
+        "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 factory.p2p-epochs=2 method='factory-p2p'")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    out = tmp_path_factory.mktemp("search")
+    main(["--dataset", "digits", "--num-sites", "3", "--seeds", "0", "--base", TINY, "--variant", "p2p:",
+          "--variant", "p2p-again:", "--variant", "p2p-matched: bench.match-experts=true", "--out", str(out)])  # fmt: skip
+    return out, {r["variant"]: r for r in json.loads((out / "results.json").read_text())}
+
+
+def test_every_site_trains_an_expert_and_the_product_is_scored_on_the_test_split(search):
+    _, results = search
+    p2p = results["p2p"]
+    assert [e["site"] for e in p2p["experts"]] == [0, 1, 2]
+    assert all(e["last_epoch"] == 2 and 1 <= e["best_epoch"] <= 2 for e in p2p["experts"])  # factory.p2p-epochs
+    assert 0 <= p2p["accuracy"] <= 1 and p2p["min_class_recall"] == min(p2p["per_class_recall"])
+    # Balanced accuracy is the mean recall over the test split's classes (digits' test split holds all ten).
+    assert p2p["balanced_accuracy"] == pytest.approx(np.mean(p2p["per_class_recall"]))
+    assert p2p["ratio_to_centralised"] == pytest.approx(p2p["accuracy"] / p2p["centralised_accuracy"])
+
+
+def test_the_sites_synthetic_images_are_drawn_once_and_reused(search):
+    out, results = search
+    cached = sorted(p.name for p in out.glob("generators/*/site*-lacking-*.safetensors"))
+    # Every site lacks classes the others hold: each draws its images once, 12 per class lacking.
+    assert cached == [f"site{k}-lacking-12x-3steps-seed0.safetensors" for k in range(3)]
+    assert results["p2p-again"]["per_class_recall"] == results["p2p"]["per_class_recall"]
+    assert results["p2p-again"]["experts"] == results["p2p"]["experts"]
+
+
+def test_matching_the_experts_images_is_a_recorded_ablation(search):
+    _, results = search
+    assert results["p2p-matched"]["run_config"]["bench.match-experts"] is True
+    assert results["p2p-matched"]["experts"] != results["p2p"]["experts"]
