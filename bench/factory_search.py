@@ -270,9 +270,9 @@ def summary_table(results: list[dict]) -> str:
         rows = [r for r in results if r["variant"] == name]
         cells = []
         for column in columns:
-            values = [float(r.get(column, "nan")) for r in rows]
+            values = [float(r[column]) for r in rows if column in r]  # P2P rows have no server-side fd
             sd = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
-            cells.append(f"{statistics.mean(values):.3f}{sd}")
+            cells.append(f"{statistics.mean(values):.3f}{sd}" if values else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {','.join(str(r['seed']) for r in rows)} |")
     recall = ["", "Per-class recall (mean over seeds):", "", "| variant | " + " | ".join(str(c) for c in range(len(results[0]["per_class_recall"]))) + " |",
               "|---" * (len(results[0]["per_class_recall"]) + 1) + "|"]  # fmt: skip

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.factory_search import main
+from bench.factory_search import main, summary_table
 
 TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
         "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 factory.p2p-epochs=2 method='factory-p2p'")  # fmt: skip
@@ -46,3 +46,13 @@ def test_matching_the_experts_images_is_a_recorded_ablation(search):
     _, results = search
     assert results["p2p-matched"]["run_config"]["bench.match-experts"] is True
     assert results["p2p-matched"]["experts"] != results["p2p"]["experts"]
+
+
+def test_the_summary_gives_mean_and_sd_over_seeds_and_a_dash_for_what_a_row_lacks():
+    rows = [{"variant": "p2p", "seed": seed, "accuracy": accuracy, "per_class_recall": [accuracy, 1.0]}
+            for seed, accuracy in ((0, 0.5), (1, 0.7))]  # fmt: skip
+    table = summary_table(rows)
+    line = next(row for row in table.splitlines() if row.startswith("| p2p |"))
+    assert line.split(" | ")[1] == "0.600 ± 0.141"  # mean and sample sd of 0.5 and 0.7
+    assert line.split(" | ")[9] == "-"  # fd: P2P rows have none
+    assert "| p2p | 0.60 | 1.00 |" in table  # per-class recall, mean over seeds
