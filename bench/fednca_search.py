@@ -127,6 +127,7 @@ TRIALS = [
     ("fednca-e1-r60-m0.9", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.server-momentum": 0.9}),
     ("fednca-e1-r60-warmup0.5ep", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.warmup-epochs": 0.5}),
     ("fednca-e1-r60-decay0.2", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.2}),
+    ("fednca-e1-r100-m0.5-decay0.2", "fednca", {"num-server-rounds": 100, "local-epochs": 1, "bench.server-momentum": 0.5, "bench.decay-share": 0.2}),
     ("fednca-e1-r60-decay0.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.decay-share": 0.5}),
     ("fednca-e1-r60-no-regularisers", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.regularisers": False}),
     ("fednca-e1-r60-no-ladm", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.ladm": False}),
