@@ -260,9 +260,9 @@ class FactorySection(_Section):
 
     def expert_epochs(self, image_side: int) -> int:
         """`p2p-epochs`, or where it is 0 the count for images of `image_side` px: at 28 px 6 epochs left the
-        experts under-trained (Product of Experts 0.61x of the centralised model, every expert best at its
-        last epoch) and 20 reach 0.94x (docs/benchmarks-factory.md); at 16 px and below 6 keep the P2P quick
-        start under 10 minutes on 2 cores with ResNet-18 experts."""
+        experts under-trained (Product of Experts 0.59-0.62x of the same small CNN on the pooled real images,
+        three seeds) and 20 reach 0.90-0.94x (docs/benchmarks-factory.md); at 16 px and below 6 keep the P2P
+        quick start under 10 minutes on 2 cores with ResNet-18 experts."""
         if self.p2p_epochs:
             return self.p2p_epochs
         return SMALL_IMAGE_EXPERT_EPOCHS if image_side <= SMALL_IMAGE_SIDE else LARGE_IMAGE_EXPERT_EPOCHS
