@@ -282,8 +282,8 @@ def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, devic
     lacking = lacking_classes(site, library)
     if not lacking:
         return None
-    plan = sampling_plan(library, p2p_samples_per_class(site, cfg.factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking)
     factory = cfg.factory
+    plan = sampling_plan(library, p2p_samples_per_class(site, factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking)
     return synthesise(library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device, progress=False)
 
 
