@@ -145,11 +145,11 @@ def p2p_variant(cfg: RunConfig, sites: list[SiteData], library: Library, directo
     their Product of Experts on the test split. `match_experts` (the `bench.match-experts` ablation, not a
     run-config key): the experts' synthetic images are matched to the sites' summed histograms, as the
     server's are under factory.match-intensity."""
-    histograms = summed_histograms(sites, library.num_classes)
+    histograms = summed_histograms(sites, library.num_classes) if match_experts else None
     experts, rows, seconds = [], [], 0.0
     for site in sites:
         synthetic = site_lacking_images(cfg, site, library, directory, device)
-        if match_experts and synthetic is not None:
+        if histograms is not None and synthetic is not None:
             synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
         start = time.perf_counter()
         state, metrics = train_site_expert(cfg, site, library, device, synthetic)
