@@ -103,6 +103,8 @@ class FedNCASection(_Section):
 SMALL_IMAGE_SIDE, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS = 16, 300, 1000
 # factory.p2p-epochs = 0: the experts' epochs up to SMALL_IMAGE_SIDE px and above it.
 SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS = 6, 20
+# factory.p2p-samples-per-class = 0: above SMALL_IMAGE_SIDE px at least this many per lacking class.
+LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS = 500
 
 
 class FactorySection(_Section):
@@ -209,8 +211,19 @@ class FactorySection(_Section):
 
     p2p_samples_per_class: int = Field(
         0, ge=0, le=1_000_000, description="P2P: synthetic images per class a site lacks (0 = the mean number of "
-        "real images per class the site holds)."
+        f"real images per class the site holds, and above {SMALL_IMAGE_SIDE} px at least "
+        f"{LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS})."
     )
+
+    def expert_samples_per_class(self, image_side: int, real_per_class: int) -> int:
+        """`p2p-samples-per-class`, or where it is 0 the site's mean real images per class, raised above
+        SMALL_IMAGE_SIDE px to LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS: at 28 px 180 per lacking class (the mean)
+        left the Product of Experts at 0.87-0.89x of the centralised runs and 500 reach 0.9x (three seeds,
+        docs/benchmarks-factory.md), as the server's classifier needed more synthetic images there too."""
+        if self.p2p_samples_per_class:
+            return self.p2p_samples_per_class
+        return real_per_class if image_side <= SMALL_IMAGE_SIDE else max(real_per_class, LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS)
+
     classifier: Literal["small-cnn", "resnet18", "resnet50"] = Field(
         "resnet18", description="Classifier trained on synthetic data (ResNets with the small-image stem below "
         "96 px; the paper: resnet50)."

@@ -105,3 +105,10 @@ def test_server_samples_per_class_follow_the_image_side_only_when_not_set(settin
 def test_expert_epochs_follow_the_image_side_only_when_not_set(setting, side, expected):
     factory = RunConfig.from_run_config({"factory.p2p-epochs": setting}).factory
     assert factory.expert_epochs(side) == expected
+
+
+@pytest.mark.parametrize(("setting", "side", "real", "expected"), [(0, 8, 180, 180), (0, 16, 13, 13), (0, 28, 180, 500),
+                                                                   (0, 28, 2000, 2000), (40, 8, 180, 40), (40, 28, 180, 40)])
+def test_expert_samples_per_class_follow_the_image_side_only_when_not_set(setting, side, real, expected):
+    factory = RunConfig.from_run_config({"factory.p2p-samples-per-class": setting}).factory
+    assert factory.expert_samples_per_class(side, real) == expected

@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
-from fedskew.data.sites import load_task_dataset, simulated_site
+from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, stratified_holdout
 from fedskew.factory.library import (
     GeneratorModule,
@@ -32,7 +32,14 @@ from fedskew.factory.library import (
     validate_upload,
     write_library,
 )
-from fedskew.factory.site import MemorizationRefusal, check_memorization, generator_config, memorization_share, planned_modules
+from fedskew.factory.site import (
+    MemorizationRefusal,
+    check_memorization,
+    generator_config,
+    memorization_share,
+    p2p_samples_per_class,
+    planned_modules,
+)
 from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
@@ -285,6 +292,15 @@ def test_a_site_refuses_above_max_memorization_or_when_it_cannot_audit():
     with pytest.raises(MemorizationRefusal) as refusal:
         check_memorization(modules, 0.3)
     assert "site0-class1: 0.400" in str(refusal.value) and "site0-class2: no held-out image" in str(refusal.value)
+
+
+@pytest.mark.parametrize(("side", "expected"), [(8, 15), (28, 500)])
+def test_a_p2p_site_draws_its_mean_class_size_per_lacking_class_and_more_for_large_images(side, expected):
+    labels = np.array([0] * 10 + [3] * 20)  # two classes held, 15 images each on average
+    images = np.zeros((len(labels), 1, side, side), dtype=np.uint8)
+    site = SiteData(0, 2, images, labels, images[:2], labels[:2], 4, ("a", "b", "c", "d"))
+    assert p2p_samples_per_class(site, RunConfig().factory) == expected
+    assert p2p_samples_per_class(site, RunConfig.from_run_config({"factory.p2p-samples-per-class": 7}).factory) == 7
 
 
 def test_generator_config_keeps_attention_levels_and_scales_the_schedule():

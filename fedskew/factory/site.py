@@ -269,11 +269,10 @@ def lacking_classes(site: SiteData, library: Library) -> list[int]:
 
 
 def p2p_samples_per_class(site: SiteData, factory: FactorySection) -> int:
-    """The configured count, or (0) the mean number of real images per class the site holds."""
-    if factory.p2p_samples_per_class:
-        return factory.p2p_samples_per_class
+    """Synthetic images per lacking class: the configured count, or (0) by image side from the mean number
+    of real images per class the site holds."""
     counts = np.bincount(site.train_labels, minlength=site.num_classes)
-    return max(1, round(counts[counts > 0].mean()))
+    return factory.expert_samples_per_class(site.train_images.shape[-1], max(1, round(counts[counts > 0].mean())))
 
 
 def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, device: torch.device) -> SyntheticSet | None:
