@@ -225,8 +225,9 @@ class FactorySection(_Section):
         return real_per_class if image_side <= SMALL_IMAGE_SIDE else max(real_per_class, LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS)
 
     classifier: Literal["small-cnn", "resnet18", "resnet50"] = Field(
-        "resnet18", description="Classifier trained on synthetic data (ResNets with the small-image stem below "
-        "96 px; the paper: resnet50)."
+        "small-cnn", description="Classifier trained on synthetic data: `small-cnn` is the network `model` "
+        "defaults to, so the centralised bound and FedAvg train the same one; ResNets take the small-image stem "
+        "below 96 px (the paper: resnet50, a GPU setting: at 28 px resnet18 costs 13x the small CNN per step)."
     )
     classifier_epochs: int = Field(
         20, ge=1, le=10_000, description="Most epochs of the server's classifier (the paper: 300); the cosine lr "
@@ -274,8 +275,8 @@ class FactorySection(_Section):
     def expert_epochs(self, image_side: int) -> int:
         """`p2p-epochs`, or where it is 0 the count for images of `image_side` px: at 28 px 6 epochs left the
         experts under-trained (Product of Experts 0.59-0.62x of the same small CNN on the pooled real images,
-        three seeds) and 20 reach 0.90-0.94x (docs/benchmarks-factory.md); at 16 px and below 6 keep the P2P
-        quick start under 10 minutes on 2 cores with ResNet-18 experts."""
+        three seeds) and 20 reach 0.90-0.94x (docs/benchmarks-factory.md); at 8 px 6 and 20 are level (0.981
+        and 0.983 with small-CNN experts, seed 0), and 6 cost ResNet-18 experts a third of 20's time."""
         if self.p2p_epochs:
             return self.p2p_epochs
         return SMALL_IMAGE_EXPERT_EPOCHS if image_side <= SMALL_IMAGE_SIDE else LARGE_IMAGE_EXPERT_EPOCHS
