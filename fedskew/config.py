@@ -218,7 +218,7 @@ class FactorySection(_Section):
     def expert_samples_per_class(self, image_side: int, real_per_class: int) -> int:
         """`p2p-samples-per-class`, or where it is 0 the site's mean real images per class, raised above
         SMALL_IMAGE_SIDE px to LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS: at 28 px 180 per lacking class (the mean)
-        left the Product of Experts at 0.87-0.89x of the centralised runs and 500 reach 0.9x (three seeds,
+        left the Product of Experts at 0.87-0.89x of the centralised runs and 500 reach 0.91-0.93x (three seeds,
         docs/benchmarks-factory.md), as the server's classifier needed more synthetic images there too."""
         if self.p2p_samples_per_class:
             return self.p2p_samples_per_class
