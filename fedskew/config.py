@@ -107,6 +107,11 @@ SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS = 6, 20
 LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS = 500
 
 
+def by_image_side(setting: int, image_side: int, small: int, large: int) -> int:
+    """A count key's value: `setting` where set, or (0) `small` for images up to SMALL_IMAGE_SIDE px, `large` above."""
+    return setting or (small if image_side <= SMALL_IMAGE_SIDE else large)
+
+
 class FactorySection(_Section):
     """FederatedFactory settings (docs/factory.md: one upload of generators per site, a classifier trained on their
     synthetic data; P2P: site experts combined as a Product of Experts)."""
@@ -205,9 +210,7 @@ class FactorySection(_Section):
         """`samples-per-class`, or where it is 0 the count for images of `image_side` px: at 28 px 300 per
         class left the classifier at 0.85x of the centralised model and 1,000 reach 0.93x (docs/benchmarks-
         factory.md); at 16 px and below 300 keep the quick starts under 10 minutes on 2 cores."""
-        if self.samples_per_class:
-            return self.samples_per_class
-        return SMALL_IMAGE_SAMPLES_PER_CLASS if image_side <= SMALL_IMAGE_SIDE else LARGE_IMAGE_SAMPLES_PER_CLASS
+        return by_image_side(self.samples_per_class, image_side, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS)
 
     p2p_samples_per_class: int = Field(
         0, ge=0, le=1_000_000, description="P2P: synthetic images per class a site lacks (0 = the mean number of "
@@ -220,9 +223,8 @@ class FactorySection(_Section):
         SMALL_IMAGE_SIDE px to LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS: at 28 px 180 per lacking class (the mean)
         left the Product of Experts at 0.87-0.89x of the centralised runs and 500 reach 0.91-0.93x (three seeds,
         docs/benchmarks-factory.md), as the server's classifier needed more synthetic images there too."""
-        if self.p2p_samples_per_class:
-            return self.p2p_samples_per_class
-        return real_per_class if image_side <= SMALL_IMAGE_SIDE else max(real_per_class, LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS)
+        large = max(real_per_class, LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS)
+        return by_image_side(self.p2p_samples_per_class, image_side, real_per_class, large)
 
     classifier: Literal["small-cnn", "resnet18", "resnet50"] = Field(
         "small-cnn", description="Classifier trained on synthetic data: `small-cnn` is the network `model` "
@@ -277,9 +279,7 @@ class FactorySection(_Section):
         experts under-trained (Product of Experts 0.59-0.62x of the same small CNN on the pooled real images,
         three seeds) and 20 reach 0.90-0.94x (docs/benchmarks-factory.md); at 8 px 6 and 20 are level (0.981
         and 0.983 with small-CNN experts, seed 0), and 6 cost ResNet-18 experts a third of 20's time."""
-        if self.p2p_epochs:
-            return self.p2p_epochs
-        return SMALL_IMAGE_EXPERT_EPOCHS if image_side <= SMALL_IMAGE_SIDE else LARGE_IMAGE_EXPERT_EPOCHS
+        return by_image_side(self.p2p_epochs, image_side, SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS)
 
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."
