@@ -36,7 +36,7 @@ import torch
 from bench.compare import parse_run_config
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_classifier, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
 from fedskew.factory.library import (
     Library,
     SyntheticSet,
@@ -95,7 +95,7 @@ def site_answers(cfg: RunConfig, sites: list[SiteData], device: torch.device):
     shape, num_classes = tuple(sites[0].train_images.shape[1:]), sites[0].num_classes
 
     def ask(state: dict[str, torch.Tensor]):
-        model = build_classifier(cfg.factory.classifier, shape, num_classes)
+        model = run_classifier(cfg, shape, num_classes)
         model.load_state_dict(state)
         return pooled([class_scores(model, s.val_images, s.val_labels, num_classes, device) for s in sites], num_classes)
 
@@ -121,7 +121,7 @@ def centralised_reference(cfg: RunConfig, sites: list[SiteData], test, device) -
     images = np.concatenate([s.train_images for s in sites])
     labels = np.concatenate([s.train_labels for s in sites])
     start = time.perf_counter()
-    model, _ = train_classifier(images, labels, sites[0].num_classes, ClassifierRecipe.from_section(cfg.factory),
+    model, _ = train_classifier(images, labels, sites[0].num_classes, ClassifierRecipe.from_config(cfg),
                                 val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
     return model, {"accuracy": metrics["accuracy"], "seconds": time.perf_counter() - start}
@@ -154,7 +154,7 @@ def p2p_variant(cfg: RunConfig, sites: list[SiteData], library: Library, directo
         start = time.perf_counter()
         state, metrics = train_site_expert(cfg, site, library, device, synthetic)
         seconds += time.perf_counter() - start
-        model = build_classifier(cfg.factory.classifier, library.image_shape, library.num_classes)
+        model = run_classifier(cfg, library.image_shape, library.num_classes)
         model.load_state_dict(state)
         experts.append(model.eval())
         rows.append({"site": site.site_id, "test_accuracy": evaluate(model, test.test_images, test.test_labels, device=device)["accuracy"],
@@ -204,7 +204,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     checkpoints = {} if cfg.factory.site_validation else None
     start = time.perf_counter()
     model, stats = train_classifier(
-        synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_section(cfg.factory),
+        synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_config(cfg),
         val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device, checkpoints=checkpoints,
     )  # fmt: skip
     site_report = {}

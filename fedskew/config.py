@@ -227,8 +227,9 @@ class FactorySection(_Section):
         return by_image_side(self.p2p_samples_per_class, image_side, real_per_class, large)
 
     classifier: Literal["small-cnn", "resnet18", "resnet50"] = Field(
-        "small-cnn", description="Classifier trained on synthetic data: `small-cnn` is the network `model` "
-        "defaults to, so the centralised bound and FedAvg train the same one; ResNets take the small-image stem "
+        "small-cnn", description="Classifier trained on synthetic data (and the P2P experts): `small-cnn` is "
+        "the network `model` defaults to, built with the same `feature-side`, so the centralised bound and FedAvg "
+        "train the same one; ResNets take the small-image stem "
         "below 96 px (the paper: resnet50, a GPU setting: at 28 px resnet18 costs 13x the small CNN per step)."
     )
     classifier_epochs: int = Field(
@@ -395,8 +396,9 @@ class RunConfig(_Section):
         "small-cnn", description="Backbone: a small CNN for CPU runs or ResNet-18 with a small-image stem."
     )
     feature_side: int = Field(
-        8, ge=0, le=4096, description="small-cnn: add a stride-2 stage (two 3x3 convs) while the feature map's side "
-        "is above this, so the receptive field grows with the image (0 = one stride-2 stage whatever the size)."
+        8, ge=0, le=4096, description="small-cnn (as `model` and as `factory.classifier`): add a stride-2 stage (two 3x3 "
+        "convs) while the feature map's side is above this, so the receptive field grows with the image (0 = one "
+        "stride-2 stage whatever the size)."
     )
     pretrained: str = Field(
         "", description="Local torchvision-format ResNet state dict (.safetensors, or a PyTorch file read with "

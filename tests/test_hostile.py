@@ -231,7 +231,7 @@ def test_the_generator_payload_limit_is_the_run_models_size():
 
 
 def expert_reply(state=None, metrics=None):
-    state = state if state is not None else build_classifier("small-cnn", TASK.image_shape, 10).state_dict()
+    state = state if state is not None else build_classifier("small-cnn", TASK.image_shape, 10, 8).state_dict()
     return RecordDict({"expert": packed_weights(state), "metrics": MetricRecord(metrics or {"train_loss": 0.5, "val_accuracy": 0.5})})
 
 
@@ -239,7 +239,7 @@ def expert_reply(state=None, metrics=None):
     ("hostile", "reason"),
     [
         (lambda: expert_reply({k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
-                               for k, v in build_classifier("small-cnn", TASK.image_shape, 10).state_dict().items()}),
+                               for k, v in build_classifier("small-cnn", TASK.image_shape, 10, 8).state_dict().items()}),
          "dtype torch.float8_e4m3fn, the model's is torch.float32"),
         (lambda: expert_reply(metrics={"val_accuracy": 0.5}), r"metrics \['train_loss'\] are missing or not finite"),
         (lambda: expert_reply(metrics={"train_loss": math.inf, "val_accuracy": 0.5}), "not finite"),

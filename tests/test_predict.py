@@ -3,6 +3,7 @@ predicts exactly what the model in memory predicts."""
 
 import csv
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
-from fedskew.factory.classifier import ExpertEnsemble, build_classifier
+from fedskew.factory.classifier import ExpertEnsemble, build_classifier, run_classifier
 from fedskew.models.build import build_model, server_etf
 from fedskew.metrics import multilabel_metrics
 from fedskew.models.model_file import ModelFileError, load_model_file, read_model_file, run_model_card, save_model_file
@@ -58,10 +59,50 @@ def test_a_file_from_before_feature_side_rebuilds_the_one_stage_small_cnn_it_was
         assert torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.parametrize("side", [8, 28, 32])
+def test_the_factory_classifier_is_the_network_of_the_centralised_bound_and_the_baselines(side):
+    # One network for the factory's classifier and experts and for `centralized` / FedAvg / FedProx on the
+    # same run config: above 16 px `feature-side` adds stride-2 stages to both, not to one of them.
+    cfg = RunConfig.from_run_config({"method": "factory", "dataset": "deformed-digits", "image-size": side, "mosaic-grid": 0, "partition": "iid"})
+    shape = (1, side, side)
+    torch.manual_seed(0)
+    factory = run_classifier(cfg, shape, 10).eval()
+    torch.manual_seed(0)
+    bound = build_model(cfg.model_copy(update={"method": "centralized"}), 10, shape).eval()
+    x = torch.rand(2, *shape)
+    with torch.no_grad():
+        assert torch.equal(factory(x), bound(x))
+    assert factory.backbone.forward_features(x).shape[-1] == min((side + 1) // 2, 7 if side == 28 else 8)
+
+
+def test_a_factory_file_from_before_the_classifier_followed_feature_side_loads_its_one_stage_network(tmp_path):
+    cfg = RunConfig.from_run_config({"method": "factory", "dataset": "deformed-digits", "image-size": 32, "mosaic-grid": 0, "partition": "iid"})
+    shape = (1, 32, 32)
+    one_stage = build_classifier("small-cnn", shape, 10, 0).eval()
+    card = dataclasses.replace(run_model_card(cfg, tuple("0123456789"), False, shape), factory_feature_side=0)
+    header = {k: v for k, v in dataclasses.asdict(card).items() if k != "factory_feature_side"}  # as such files were written
+    path = tmp_path / "old.safetensors"
+    save_file(one_stage.state_dict(), str(path), metadata={"fedskew": json.dumps({**header, "format": "fedskew-model/1"})})
+    loaded, loaded_card = load_model_file(path)
+    x = torch.rand(2, *shape)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), one_stage(x))
+    assert loaded_card.factory_feature_side == 0 and run_model_card(cfg, tuple("0123456789"), False, shape).factory_feature_side == 8
+
+
+@pytest.mark.parametrize("side", ["8", -1, True])
+def test_a_model_file_whose_feature_side_is_not_a_natural_number_is_refused(tmp_path, side):
+    _, path = _fednca_file(tmp_path)
+    card, state, etf = read_model_file(path)
+    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, factory_feature_side=side), etf)
+    with pytest.raises(ModelFileError, match=r"'factory_feature_side' = .* is invalid; valid: an int >= 0"):
+        read_model_file(forged)
+
+
 def test_a_product_of_experts_file_predicts_with_every_expert(tmp_path):
     cfg = RunConfig.from_run_config({"method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier": "small-cnn"})
     torch.manual_seed(1)
-    experts = ExpertEnsemble([build_classifier("small-cnn", (3, 8, 8), 4) for _ in range(3)]).eval()
+    experts = ExpertEnsemble([build_classifier("small-cnn", (3, 8, 8), 4, 8) for _ in range(3)]).eval()
     card = run_model_card(cfg, NAMES, False, (3, 8, 8))
     path = save_model_file(tmp_path / "poe.safetensors", experts.state_dict(), card.__class__(**{**card.__dict__, "experts": 3}))
     loaded, card = load_model_file(path)

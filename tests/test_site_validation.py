@@ -123,7 +123,7 @@ def test_classifier_stops_once_the_held_out_accuracy_stops_improving():
     rng = np.random.default_rng(0)
     images = rng.random((20, 1, 8, 8), dtype=np.float32)
     labels = np.zeros(20, dtype=np.int64)  # one class: held-out accuracy is 1.0 from epoch 1 and cannot improve
-    recipe = ClassifierRecipe("small-cnn", 50, 0.05, 0.9, 1e-4, 20, "none", patience=2)
+    recipe = ClassifierRecipe("small-cnn", 8, 50, 0.05, 0.9, 1e-4, 20, "none", patience=2)
     checkpoints = {}
     _, stats = train_classifier(images, labels, 2, recipe, val_fraction=0.2, seed=0, device=CPU, checkpoints=checkpoints)
     assert (stats["best_epoch"], stats["last_epoch"]) == (1, 3)

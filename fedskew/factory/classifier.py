@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.config import FactorySection
+from fedskew.config import RunConfig
 from fedskew.factory.library import UploadRejected
 from fedskew.models.backbones import Classifier, build_backbone
 from fedskew.models.build import weights_mismatch
@@ -32,6 +32,7 @@ LOG_PROB_FLOOR = math.log(1e-12)
 @dataclass(frozen=True)
 class ClassifierRecipe:
     arch: str
+    feature_side: int  # small-cnn: the run's `feature-side`, so the classifier is the network `model` builds
     epochs: int
     lr: float
     momentum: float
@@ -40,18 +41,24 @@ class ClassifierRecipe:
     augment: str  # "none" | "flip" | "flip-rot90"; random shifts are always on
     patience: int = 0  # stop after this many epochs without a better validation accuracy (0 = never)
 
-    @classmethod
-    def from_section(cls, factory: FactorySection) -> ClassifierRecipe:
-        return cls(
-            factory.classifier, factory.classifier_epochs, factory.classifier_lr, factory.classifier_momentum,
+    @staticmethod
+    def from_config(cfg: RunConfig) -> ClassifierRecipe:
+        factory = cfg.factory
+        return ClassifierRecipe(
+            factory.classifier, cfg.feature_side, factory.classifier_epochs, factory.classifier_lr, factory.classifier_momentum,
             factory.classifier_weight_decay, factory.classifier_batch_size, factory.augment,
             factory.classifier_patience,
         )  # fmt: skip
 
 
-def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int) -> Classifier:
+def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int, feature_side: int) -> Classifier:
     channels, height, _ = image_shape
-    return Classifier(build_backbone(arch, channels, height), num_classes)
+    return Classifier(build_backbone(arch, channels, height, feature_side=feature_side), num_classes)
+
+
+def run_classifier(cfg: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> Classifier:
+    """The untrained classifier (server's, or a P2P expert) of a run with `cfg`."""
+    return build_classifier(cfg.factory.classifier, image_shape, num_classes, cfg.feature_side)
 
 
 def stratified_holdout(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +113,7 @@ def train_classifier(
     seconds). `checkpoints`, when given, receives {epoch: weights} for checkpoint_epochs."""
     train_idx, val_idx = stratified_holdout(labels, val_fraction, seed)
     torch.manual_seed(seed)
-    model = build_classifier(recipe.arch, tuple(images.shape[1:]), num_classes).to(device)
+    model = build_classifier(recipe.arch, tuple(images.shape[1:]), num_classes, recipe.feature_side).to(device)
     loader = make_loader(images[train_idx], labels[train_idx], recipe.batch_size, shuffle=True, seed=seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.epochs * len(loader), eta_min=0.0)

@@ -45,6 +45,9 @@ class ModelCard:
     # Multi-label: the decision threshold shared by all classes, the one the round's metrics were taken at
     # (chosen on validation, or the run's fixed `threshold`); None for single-label models.
     threshold: float | None = None
+    # factory / factory-p2p: the small CNN's `feature-side` the classifier was built with. Files written
+    # before the classifier followed `feature-side` lack it: theirs had one stride-2 stage (0).
+    factory_feature_side: int = 0
 
     @property
     def multilabel(self) -> bool:
@@ -81,6 +84,7 @@ def run_model_card(cfg: RunConfig, class_names: tuple[str, ...], multilabel: boo
         run_config=cfg.to_run_config(),
         # Until a round has chosen one: the run's fixed threshold, or 0.5.
         threshold=(DEFAULT_THRESHOLD if cfg.threshold == "validation" else float(cfg.threshold)) if multilabel else None,
+        factory_feature_side=cfg.feature_side if factory else 0,
     )
 
 
@@ -117,6 +121,9 @@ def read_model_file(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor
     if fields.get("label_kind") == "multi" and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
                                                    and 0 < threshold < 1):  # fmt: skip
         raise ModelFileError(f"{path}: the header's multi-label 'threshold' = {threshold!r} is invalid; valid: a number in (0, 1)")
+    side = fields.get("factory_feature_side", 0)
+    if not isinstance(side, int) or isinstance(side, bool) or side < 0:
+        raise ModelFileError(f"{path}: the header's 'factory_feature_side' = {side!r} is invalid; valid: an int >= 0")
     card = ModelCard(**{**fields, "class_names": tuple(fields["class_names"]), "image_shape": tuple(fields["image_shape"])})
     etf = tensors.pop(ETF_TENSOR, None)
     return card, tensors, etf
@@ -137,9 +144,10 @@ def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
     cfg = RunConfig.from_run_config(current_run_config(card.run_config))
     num_classes = len(card.class_names)
     if card.method in ("factory", "factory-p2p"):
+        shape, side = card.image_shape, card.factory_feature_side
         if card.experts:
-            return ExpertEnsemble([build_classifier(card.model, card.image_shape, num_classes) for _ in range(card.experts)])
-        return build_classifier(card.model, card.image_shape, num_classes)
+            return ExpertEnsemble([build_classifier(card.model, shape, num_classes, side) for _ in range(card.experts)])
+        return build_classifier(card.model, shape, num_classes, side)
     return build_model(cfg, num_classes, card.image_shape, etf=etf)
 
 

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData
 from fedskew.data.sources import ImageDataset
-from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, build_classifier, check_expert_weights, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, check_expert_weights, train_classifier
 from fedskew.factory.library import (
     SYNTHETIC_FILE,
     GeneratorModule,
@@ -372,7 +372,7 @@ class FactoryFlow(RecordingMixin):
     def collect_experts(self, survey: dict[int, dict], library: Library, cfg: RunConfig, task: TaskLike) -> tuple[list[Expert], list[dict]]:
         """Round 2: relay the library to every identified site, collect and check their experts."""
         identities, _ = site_identities(survey, task.num_classes)  # the refused ones are reported in round 1
-        reference = build_classifier(cfg.factory.classifier, tuple(task.image_shape), task.num_classes).state_dict()
+        reference = run_classifier(cfg, tuple(task.image_shape), task.num_classes).state_dict()
         max_bytes = packed_size_limit(reference)
 
         def check(identity: SiteIdentity, reply: Message) -> Expert:
@@ -384,7 +384,7 @@ class FactoryFlow(RecordingMixin):
             unusable = [k for k in EXPERT_METRICS if not isinstance(metrics.get(k), (int, float)) or not math.isfinite(metrics[k])]
             if unusable:
                 raise UploadRejected(f"the expert's metrics {unusable} are missing or not finite numbers")
-            model = build_classifier(cfg.factory.classifier, tuple(task.image_shape), task.num_classes)
+            model = run_classifier(cfg, tuple(task.image_shape), task.num_classes)
             model.load_state_dict(state)
             return Expert(identity.node, identity.site_id, model.eval(), {**metrics, "site-id": identity.site_id})
 
@@ -423,7 +423,7 @@ def train_library_classifier(
     save_class_grids(synthetic, run_dir / SAMPLES_DIR)
     with timed(training):
         model, stats = train_classifier(
-            synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_section(cfg.factory),
+            synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_config(cfg),
             val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device, checkpoints=checkpoints,
         )  # fmt: skip
     stats.update(

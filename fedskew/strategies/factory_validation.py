@@ -9,7 +9,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData
-from fedskew.factory.classifier import build_classifier, check_expert_weights
+from fedskew.factory.classifier import run_classifier, check_expert_weights
 from fedskew.factory.library import UploadRejected
 from fedskew.factory.site_validation import AskSites, ClassScores, class_scores, pooled, select_and_calibrate
 from fedskew.strategies.factory import FactoryFlow, TaskLike, packed_size_limit, packed_weights, unpacked_weights
@@ -24,7 +24,7 @@ def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: tor
     if CLASSIFIER_KEY not in content.array_records:
         raise UploadRejected("the validation query carries no classifier weights")
     # The model is built first: its size bounds the payload before anything is unpacked.
-    model = build_classifier(cfg.factory.classifier, tuple(site.train_images.shape[1:]), site.num_classes)
+    model = run_classifier(cfg, tuple(site.train_images.shape[1:]), site.num_classes)
     state = unpacked_weights(content[CLASSIFIER_KEY], "the server's classifier", packed_size_limit(model.state_dict()))
     check_expert_weights(state, model.state_dict())
     model.load_state_dict(state)
