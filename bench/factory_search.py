@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
 from fedskew.factory.library import (
+    GeneratorModule,
     Library,
     SyntheticSet,
     class_balanced_set,
@@ -48,7 +50,14 @@ from fedskew.factory.library import (
     write_library,
 )
 from fedskew.factory.intensity import class_histograms, match_intensity
-from fedskew.factory.site import generator_config, lacking_class_images, p2p_samples_per_class, train_site_expert, train_site_generators
+from fedskew.factory.site import (
+    generator_config,
+    lacking_class_images,
+    p2p_samples_per_class,
+    planned_modules,
+    train_site_expert,
+    train_site_generators,
+)
 from fedskew.models.edm2 import train_generator
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
 from fedskew.fidelity import classifier_features, mean_over_classes, per_class_fidelity
@@ -57,6 +66,7 @@ from fedskew.training import evaluate, pick_device
 SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
 # The keys that shape a site's generator weights (everything else is the server's side; the audit's
 # sampler settings change only the recorded memorisation share, not the weights).
+NO_MODULES = "no-modules.json"  # a site's cache entry when it has no class to train a generator for
 GENERATOR_KEYS = ("generator", "generator_channels", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
 
 
@@ -69,14 +79,37 @@ def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: tor
     directory = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (directory / "manifest.json").is_file():
         return read_library(directory), directory, 0.0
+    # Each site's generators are kept as soon as they are trained: a search stopped half way resumes there.
+    per_site = directory.with_name(directory.name + ".sites")
     start = time.perf_counter()
-    modules = [m for site in sites for m in train_site_generators(cfg, site, device)[0]]
+    modules = [m for site in sites for m in site_modules(cfg, site, per_site / f"site{site.site_id}", device)]
     seconds = time.perf_counter() - start
     library = Library(tuple(sorted(modules, key=lambda m: (m.site_id, m.classes))), sites[0].num_classes,
                       tuple(sites[0].train_images.shape[1:]), tuple(sites[0].class_names))  # fmt: skip
     write_library(library, directory)
     (directory / "settings.json").write_text(json.dumps({**json.loads(key), "train_seconds": seconds}, indent=2))
+    shutil.rmtree(per_site)
     return library, directory, seconds
+
+
+def site_modules(cfg: RunConfig, site: SiteData, directory: Path, device: torch.device) -> list[GeneratorModule]:
+    """One site's generators, trained, or read from `directory` where an interrupted search left them. A
+    site holding no class with factory.min-class-images images uploads nothing, as in a run (its reply is
+    an error and the server goes on with the other sites)."""
+    if (directory / NO_MODULES).is_file():
+        return []
+    if (directory / "manifest.json").is_file():
+        return list(read_library(directory).modules)
+    counts = np.bincount(site.train_labels, minlength=site.num_classes).tolist()
+    if not planned_modules(cfg, site.site_id, counts, tuple(site.train_images.shape[1:])):
+        print(f"site {site.site_id}: no class with >= factory.min-class-images = {cfg.factory.min_class_images} training "
+              f"images (counts {counts}); it uploads nothing, as in a run", flush=True)  # fmt: skip
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / NO_MODULES).write_text(json.dumps({"counts": counts}) + "\n")
+        return []
+    modules = train_site_generators(cfg, site, device)[0]
+    write_library(Library(tuple(modules), site.num_classes, tuple(site.train_images.shape[1:]), tuple(site.class_names)), directory)
+    return modules
 
 
 def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device) -> SyntheticSet:

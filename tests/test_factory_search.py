@@ -7,8 +7,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from bench import factory_search
+from bench.compare import parse_run_config
 from bench.factory_search import main, summary_table
+from fedskew.config import RunConfig
 
 TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
         "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 factory.p2p-epochs=2 method='factory-p2p'")  # fmt: skip
@@ -56,3 +60,41 @@ def test_the_summary_gives_mean_and_sd_over_seeds_and_a_dash_for_what_a_row_lack
     assert line.split(" | ")[1] == "0.600 ± 0.141"  # mean and sample sd of 0.5 and 0.7
     assert line.split(" | ")[9] == "-"  # fd: P2P rows have none
     assert "| p2p | 0.60 | 1.00 |" in table  # per-class recall, mean over seeds
+
+
+def _tiny_sites(num_sites: int):
+    from bench.factory_search import SILOS
+    from fedskew.data.sites import simulated_site
+
+    cfg = RunConfig.from_run_config({**SILOS, **parse_run_config(TINY), "method": "factory"})
+    return cfg, [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+
+
+def test_a_search_stopped_half_way_resumes_from_the_generators_its_sites_finished(tmp_path, monkeypatch):
+    cfg, sites = _tiny_sites(3)
+    trained = []
+    real_training = factory_search.train_site_generators
+
+    def crash_at_the_last_site(cfg, site, device):
+        if site.site_id == 2 and not trained.count(2):
+            trained.append(2)
+            raise RuntimeError("killed")
+        trained.append(site.site_id)
+        return real_training(cfg, site, device)
+
+    monkeypatch.setattr(factory_search, "train_site_generators", crash_at_the_last_site)
+    with pytest.raises(RuntimeError, match="killed"):
+        factory_search.site_library(cfg, sites, tmp_path, torch.device("cpu"))
+    library, directory, _ = factory_search.site_library(cfg, sites, tmp_path, torch.device("cpu"))
+    assert trained == [0, 1, 2, 2]  # sites 0 and 1 trained once; the rerun trained only the site it lacked
+    assert sorted({m.site_id for m in library.modules}) == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [directory.name]  # the per-site entries are gone
+
+
+def test_a_site_with_no_class_to_model_uploads_nothing_and_the_search_goes_on(tmp_path, monkeypatch, capsys):
+    cfg, sites = _tiny_sites(3)
+    real_plan = factory_search.planned_modules
+    monkeypatch.setattr(factory_search, "planned_modules", lambda cfg, site_id, *a: [] if site_id == 1 else real_plan(cfg, site_id, *a))
+    library, _, _ = factory_search.site_library(cfg, sites, tmp_path, torch.device("cpu"))
+    assert sorted({m.site_id for m in library.modules}) == [0, 2]
+    assert "site 1: no class with >= factory.min-class-images" in capsys.readouterr().out
