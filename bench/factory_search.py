@@ -53,8 +53,9 @@ from fedskew.factory.intensity import class_histograms, match_intensity
 from fedskew.factory.site import (
     generator_config,
     lacking_class_images,
+    label_counts,
     p2p_samples_per_class,
-    planned_modules,
+    site_plan,
     train_site_expert,
     train_site_generators,
 )
@@ -100,8 +101,8 @@ def site_modules(cfg: RunConfig, site: SiteData, directory: Path, device: torch.
         return []
     if (directory / "manifest.json").is_file():
         return list(read_library(directory).modules)
-    counts = np.bincount(site.train_labels, minlength=site.num_classes).tolist()
-    if not planned_modules(cfg, site.site_id, counts, tuple(site.train_images.shape[1:])):
+    if not site_plan(cfg, site):
+        counts = label_counts(site)
         print(f"site {site.site_id}: no class with >= factory.min-class-images = {cfg.factory.min_class_images} training "
               f"images (counts {counts}); it uploads nothing, as in a run", flush=True)  # fmt: skip
         directory.mkdir(parents=True, exist_ok=True)

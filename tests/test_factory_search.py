@@ -93,8 +93,8 @@ def test_a_search_stopped_half_way_resumes_from_the_generators_its_sites_finishe
 
 def test_a_site_with_no_class_to_model_uploads_nothing_and_the_search_goes_on(tmp_path, monkeypatch, capsys):
     cfg, sites = _tiny_sites(3)
-    real_plan = factory_search.planned_modules
-    monkeypatch.setattr(factory_search, "planned_modules", lambda cfg, site_id, *a: [] if site_id == 1 else real_plan(cfg, site_id, *a))
+    real_plan = factory_search.site_plan
+    monkeypatch.setattr(factory_search, "site_plan", lambda cfg, site: [] if site.site_id == 1 else real_plan(cfg, site))
     library, _, _ = factory_search.site_library(cfg, sites, tmp_path, torch.device("cpu"))
     assert sorted({m.site_id for m in library.modules}) == [0, 2]
     assert "site 1: no class with >= factory.min-class-images" in capsys.readouterr().out

@@ -235,18 +235,26 @@ def train_audited_module(
     return module, training, audit
 
 
+def label_counts(site: SiteData) -> list[int]:
+    return np.bincount(site.train_labels, minlength=site.num_classes).tolist()
+
+
+def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
+    """The generators `site` trains (empty when it holds no class with factory.min-class-images images)."""
+    return planned_modules(cfg, site.site_id, label_counts(site), tuple(site.train_images.shape[1:]))
+
+
 def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
     """One unconditional generator per class held (or one conditional one), each audited, in
     factory.parallel-generators worker processes side by side; returns the modules (EMA weights, in plan
     order) and timing metrics (seconds summed over the generators). Raises MemorizationRefusal instead of
     returning modules that fail the audit."""
     factory = cfg.factory
-    counts = np.bincount(site.train_labels, minlength=site.num_classes)
-    plan = planned_modules(cfg, site.site_id, counts.tolist(), tuple(site.train_images.shape[1:]))
+    plan = site_plan(cfg, site)
     if not plan:
         raise ValueError(
             f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "
-            f"training images (counts: {counts.tolist()})"
+            f"training images (counts: {label_counts(site)})"
         )
     check_epsilon(plan, factory.max_epsilon)
     workers = worker_count(factory.parallel_generators, len(plan), device)
