@@ -26,7 +26,7 @@ from fedskew.config import RunConfig
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
 from fedskew.factory.library import SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
 from fedskew.models.build import weights_mismatch
-from fedskew.models.model_file import read_model_file
+from fedskew.models.model_file import load_model_file
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder, read_json, write_json
 from fedskew.server_tasks import load_server_test_set
@@ -135,9 +135,10 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
 
 
 def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | None, class_id: int | None) -> None:
-    # Rebuild and retrain the network the run trained: runs from before the factory classifier followed
-    # `feature-side` (their model file's card says 0) had one stride-2 stage whatever their config says.
-    card, _, _ = read_model_file(run_dir / "model.safetensors")
+    # The run's classifier, rebuilt from its model file's card; the retrained one is the same network: runs
+    # from before the factory classifier followed `feature-side` (card: 0) had one stride-2 stage whatever
+    # their config says.
+    source_model, card = load_model_file(run_dir / "model.safetensors")
     cfg = cfg.model_copy(update={"feature_side": card.factory_feature_side})
     library = read_library(run_dir / "library")
     forgotten = modules_to_forget(library, site, class_id)
@@ -157,8 +158,6 @@ def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | No
     save_class_grids(synthetic, target / "samples")
 
     recorder = RunRecorder(path=target, multilabel=False, method=cfg.method)
-    source_model = run_classifier(cfg, library.image_shape, library.num_classes)
-    source_model.load_state_dict(_load_weights(run_dir / "model.safetensors", source_model.state_dict()))
     before = evaluate(source_model, test.test_images, test.test_labels, device=device)
     model, stats = train_classifier(
         synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_config(cfg),
