@@ -13,7 +13,7 @@ threshold with the best macro-F1 of the sums, which is the macro-F1 of the poole
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import average_precision_score, balanced_accuracy_score, f1_score, recall_score, roc_auc_score
+from sklearn.metrics import average_precision_score, f1_score, recall_score, roc_auc_score
 
 
 def _per_class(score, y_true_binary: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -33,7 +33,10 @@ def _nanmean(values: np.ndarray) -> float:
 def single_label_metrics(y_true: np.ndarray, probs: np.ndarray) -> dict[str, float | list[float]]:
     """Accuracy, balanced accuracy, macro one-vs-rest AUROC and per-class recall.
 
-    y_true: (N,) class ids; probs: (N, K) class probabilities.
+    y_true: (N,) class ids; probs: (N, K) class probabilities. Balanced accuracy is the mean recall over
+    the classes present in y_true, scikit-learn's definition; computed from the recalls here because a
+    site's split under label skew often lacks classes the model predicts, and scikit-learn warns on
+    every such evaluation.
     """
     y_true = np.asarray(y_true, dtype=np.int64)
     num_classes = probs.shape[1]
@@ -43,7 +46,7 @@ def single_label_metrics(y_true: np.ndarray, probs: np.ndarray) -> dict[str, flo
     recall = recall_score(y_true, pred, labels=np.arange(num_classes), average=None, zero_division=0)
     return {
         "accuracy": float((pred == y_true).mean()),
-        "balanced_accuracy": float(balanced_accuracy_score(y_true, pred)),
+        "balanced_accuracy": float(recall[np.bincount(y_true, minlength=num_classes) > 0].mean()),
         "auroc_macro": _nanmean(per_class_auc),
         "per_class_recall": [float(r) for r in recall],
     }

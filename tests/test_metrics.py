@@ -29,6 +29,26 @@ def test_single_label_on_a_hand_made_case():
     assert m["auroc_macro"] == pytest.approx(roc_auc_score(y, probs, multi_class="ovr", average="macro"))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6).flatmap(lambda k: st.tuples(st.just(k), st.lists(st.integers(0, k - 1), min_size=1, max_size=30))),
+       st.integers(0, 2**32 - 1))
+def test_balanced_accuracy_is_scikit_learns_without_its_warning(case, seed):
+    # a site's split under label skew lacks classes the model predicts: scikit-learn warns and averages the
+    # recall over the classes present; the value must be the same, and no warning raised
+    import warnings
+
+    num_classes, labels = case
+    y = np.array(labels)
+    probs = np.random.default_rng(seed).random((len(y), num_classes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = balanced_accuracy_score(y, probs.argmax(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = single_label_metrics(y, probs)
+    assert m["balanced_accuracy"] == pytest.approx(expected)
+
+
 def test_multilabel_matches_scikit_learn():
     rng = np.random.default_rng(0)
     y = (rng.random((40, 4)) < 0.4).astype(int)
