@@ -51,6 +51,8 @@ from fedskew.factory.library import (
 )
 from fedskew.factory.intensity import class_histograms, match_intensity
 from fedskew.factory.site import (
+    MemorizationRefusal,
+    check_memorization,
     generator_config,
     lacking_class_images,
     label_counts,
@@ -111,6 +113,25 @@ def site_modules(cfg: RunConfig, site: SiteData, directory: Path, device: torch.
     modules = train_site_generators(cfg, site, device)[0]
     write_library(Library(tuple(modules), site.num_classes, tuple(site.train_images.shape[1:]), tuple(site.class_names)), directory)
     return modules
+
+
+def uploaded_library(cfg: RunConfig, library: Library, directory: Path) -> tuple[Library, Path]:
+    """The library less the generators the sites withhold at a set factory.max-memorization (what the sites
+    of a deployed run upload), and the directory synthetic sets drawn from it are cached in."""
+    limit = cfg.factory.memorization_limit(deployed=False)
+    if limit <= 0:
+        return library, directory
+    kept = []
+    for site_id in sorted({m.site_id for m in library.modules}):
+        try:
+            kept += check_memorization([m for m in library.modules if m.site_id == site_id], limit)[0]
+        except MemorizationRefusal as refusal:
+            print(f"site {site_id}: {refusal}", flush=True)
+    withheld = sorted({m.module_id for m in library.modules} - {m.module_id for m in kept})
+    print(f"factory.max-memorization = {limit}: the sites withhold {withheld}", flush=True)
+    uploaded = directory.with_name(f"{directory.name}-max-memorization-{limit}")
+    uploaded.mkdir(exist_ok=True)
+    return dataclasses.replace(library, modules=tuple(kept)), uploaded
 
 
 def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device) -> SyntheticSet:
@@ -210,6 +231,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
     library, library_dir, generator_seconds = site_library(cfg, sites, out / "generators", device)
+    library, library_dir = uploaded_library(cfg, library, library_dir)
     ref_key = (cfg.seed, cfg.factory.classifier, cfg.factory.classifier_epochs, cfg.factory.classifier_patience, cfg.factory.augment)
     if ref_key not in references:
         references[ref_key] = centralised_reference(cfg, sites, test, device)

@@ -156,8 +156,9 @@ class FactorySection(_Section):
         64, ge=1, le=100_000, description="Samples per class drawn for the site's memorisation audit."
     )
     max_memorization: float = Field(
-        -1.0, ge=-1, le=1, description="Refuse to upload when a generator's audit share (samples closer to a "
-        "training image than 1/3 of their distance to the nearest held-out image) exceeds this (0 = off; -1 = "
+        -1.0, ge=-1, le=1, description="A site withholds each generator whose audit share (samples closer to a "
+        "training image than 1/3 of their distance to the nearest held-out image) exceeds this, uploads the rest, "
+        "and refuses when none is left (0 = off; -1 = "
         f"{DEPLOYED_MAX_MEMORIZATION} at a site that runs from a data-dir, off in simulation)."
     )
 
@@ -213,13 +214,13 @@ class FactorySection(_Section):
         return by_image_side(self.samples_per_class, image_side, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS)
 
     p2p_samples_per_class: int = Field(
-        0, ge=0, le=1_000_000, description="P2P: synthetic images per class a site lacks (0 = the mean number of "
-        f"real images per class the site holds, and above {SMALL_IMAGE_SIDE} px at least "
+        0, ge=0, le=1_000_000, description="P2P: synthetic images per class a site lacks (0 = as many as the "
+        f"site's largest class has real images, and above {SMALL_IMAGE_SIDE} px at least "
         f"{LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS})."
     )
 
     def expert_samples_per_class(self, image_side: int, real_per_class: int) -> int:
-        """`p2p-samples-per-class`, or where it is 0 the site's mean real images per class, raised above
+        """`p2p-samples-per-class`, or where it is 0 the real images of the site's largest class, raised above
         SMALL_IMAGE_SIDE px to LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS: at 28 px 180 per lacking class (the mean)
         left the Product of Experts at 0.87-0.89x of the centralised runs and 500 reach 0.91-0.93x (three seeds,
         docs/benchmarks-factory.md), as the server's classifier needed more synthetic images there too."""

@@ -1,6 +1,6 @@
 """FederatedFactory: PoE arithmetic, quota split, upload validation on tampered uploads, library and
 synthetic-set round trips, the memorisation audit, and end-to-end `flwr run`s of factory (DP generators, one site
-refusing to upload) and factory-p2p, followed by modular unlearning of their run directories."""
+withholding a generator it cannot audit) and factory-p2p, followed by modular unlearning of their run directories."""
 
 import dataclasses
 import hashlib
@@ -30,6 +30,7 @@ from fedskew.factory.library import (
     save_synthetic,
     split_quota,
     validate_upload,
+    withheld_modules,
     write_library,
 )
 from fedskew.factory.site import (
@@ -226,6 +227,42 @@ def test_a_tampered_upload_is_rejected_with_its_reason(tamper, reason):
         validate(meta, states, max_memorization=0.5)
 
 
+def test_an_upload_may_withhold_planned_modules_and_the_server_takes_the_rest():
+    meta, states = upload_of(MODULES[1])
+    meta["withheld"] = [{"module-id": "site1-class3", "reason": "0.900 of audit samples memorised"}]
+    assert [m.module_id for m in validate(meta, states)] == ["site1-class5"]
+    assert withheld_modules(meta, plan_of(*MODULES)) == [
+        {"module-id": "site1-class3", "classes": [3], "reason": "0.900 of audit samples memorised"}
+    ]
+
+
+def _withholding(entries, uploaded=MODULES[1:]):
+    meta, states = upload_of(*uploaded) if uploaded else ({"site-id": 1, "image-shape": [1, 8, 8], "modules": []}, {})
+    meta["withheld"] = entries
+    return meta, states
+
+
+@pytest.mark.parametrize(
+    ("meta_states", "reason"),
+    [
+        (_withholding({"module-id": "site1-class3"}), "withheld must be a list of"),
+        (_withholding([{"module-id": "site1-class3"}]), "withheld must be a list of"),
+        (_withholding([{"module-id": "site1-class7", "reason": "x"}]), "distinct modules of this site's plan"),
+        (_withholding([{"module-id": "site1-class3", "reason": "x"}] * 2), "distinct modules of this site's plan"),
+        (_withholding([{"module-id": "site1-class3", "reason": "x" * 301}]), "a reason of 1-300 characters"),
+        (_withholding([{"module-id": "site1-class3", "reason": ""}]), "a reason of 1-300 characters"),
+        # withheld and uploaded at once: the declared modules must be the plan less the withheld
+        (_withholding([{"module-id": "site1-class3", "reason": "x"}], MODULES), "make exactly \\['site1-class5'\\]"),
+        (_withholding([{"module-id": m.module_id, "reason": "x"} for m in MODULES], ()), "withholds every module"),
+    ],
+    ids=["not-a-list", "no-reason", "not-planned", "twice", "long-reason", "empty-reason", "also-uploaded", "everything"],
+)
+def test_a_malformed_or_forged_withheld_list_is_rejected_with_its_reason(meta_states, reason):
+    meta, states = meta_states
+    with pytest.raises(UploadRejected, match=reason):
+        validate(meta, states)
+
+
 def test_an_upload_whose_weights_match_a_forged_checksum_still_needs_the_declared_architecture():
     meta, states = upload_of(*MODULES)
     del states["site1-class3"]["logvar_linear.weight"]
@@ -285,18 +322,23 @@ def test_memorization_share_on_hand_made_images():
     assert math.isnan(memorization_share(train[:3], train, heldout[:0]))
 
 
-def test_a_site_refuses_above_max_memorization_or_when_it_cannot_audit():
+def test_a_site_withholds_each_generator_above_max_memorization_and_refuses_when_none_is_left():
     modules = [dataclasses.replace(make_module(0, 1), memorization=0.4),
-               dataclasses.replace(make_module(0, 2), memorization=float("nan"))]  # fmt: skip
-    check_memorization(modules, 0.0)  # off
+               dataclasses.replace(make_module(0, 2), memorization=float("nan")),
+               dataclasses.replace(make_module(0, 3), memorization=0.3)]  # fmt: skip
+    assert check_memorization(modules, 0.0) == (modules, [])  # off
+    kept, withheld = check_memorization(modules, 0.3)  # at the limit is within it
+    assert kept == modules[2:]
+    assert withheld == [{"module-id": "site0-class1", "reason": "0.400 of audit samples memorised"},
+                        {"module-id": "site0-class2", "reason": "no held-out image of class(es) [2] to audit against (raise val-fraction)"}]  # fmt: skip
     with pytest.raises(MemorizationRefusal) as refusal:
-        check_memorization(modules, 0.3)
-    assert "site0-class1: 0.400" in str(refusal.value) and "site0-class2: no held-out image" in str(refusal.value)
+        check_memorization(modules, 0.2)
+    assert all(f"site0-class{c}: " in str(refusal.value) for c in (1, 2, 3)) and "every generator" in str(refusal.value)
 
 
-@pytest.mark.parametrize(("side", "expected"), [(8, 15), (28, 500)])
-def test_a_p2p_site_draws_its_mean_class_size_per_lacking_class_and_more_for_large_images(side, expected):
-    labels = np.array([0] * 10 + [3] * 20)  # two classes held, 15 images each on average
+@pytest.mark.parametrize(("side", "expected"), [(8, 20), (28, 500)])
+def test_a_p2p_site_draws_its_largest_class_size_per_lacking_class_and_more_for_large_images(side, expected):
+    labels = np.array([0] * 10 + [3] * 20)  # two classes held, the larger of 20 images: its expert trains class-balanced
     images = np.zeros((len(labels), 1, side, side), dtype=np.uint8)
     site = SiteData(0, 2, images, labels, images[:2], labels[:2], 4, ("a", "b", "c", "d"))
     assert p2p_samples_per_class(site, RunConfig().factory) == expected
@@ -328,7 +370,7 @@ E2E = {
     "factory.classifier-epochs": 2, "factory.p2p-epochs": 1,
 }  # fmt: skip
 # With val-fraction 0.02 and seed 1, one of the 3 sites holds no held-out image of a class it models,
-# so with the audit on (max-memorization > 0) it cannot check that generator and refuses to upload.
+# so with the audit on (max-memorization > 0) it cannot check that generator and withholds it.
 REFUSAL = {"val-fraction": 0.02, "seed": 1, "factory.max-memorization": 0.5}
 # The factory run's generators train with DP-SGD; every one's epsilon is below the limit the server applies.
 DP_GENERATORS = {"factory.dp-noise-multiplier": 2.0, "factory.max-epsilon": 50.0}
@@ -402,24 +444,24 @@ def _site_classes(overrides, min_images=10):
     cfg = RunConfig.from_run_config({**E2E, **overrides, "method": "factory"})
     sites = [simulated_site(cfg, k, 3) for k in range(3)]
     modelled = {s.site_id: [c for c in range(10) if (s.train_labels == c).sum() >= min_images] for s in sites}
-    unauditable = {s.site_id for s in sites if any((s.val_labels == c).sum() == 0 for c in modelled[s.site_id])}
+    unauditable = {(s.site_id, c) for s in sites for c in modelled[s.site_id] if (s.val_labels == c).sum() == 0}
     return modelled, unauditable
 
 
-def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing_site(factory_run):
-    modelled, refusing = _site_classes(REFUSAL)
-    assert len(refusing) == 1, "the scenario needs exactly one site that cannot audit"
+def test_factory_run_writes_library_and_metrics_and_uploads_all_but_the_unauditable_generator(factory_run):
+    modelled, unauditable = _site_classes(REFUSAL)
+    ((site, withheld_class),) = unauditable  # the scenario needs exactly one generator that cannot be audited
+    assert len(modelled[site]) > 1, "and its site must have others to upload"
     summary = json.loads((factory_run / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["rounds_completed"] == 1
-    (dropped,) = summary["dropped"]
-    assert "refuses to upload" in dropped["reason"] and "no held-out image" in dropped["reason"]
-    uploaded = {c for site, classes in modelled.items() if site not in refusing for c in classes}
-    assert summary["factory"]["missing_classes"] == sorted(set(range(10)) - uploaded)
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 1 and summary["dropped"] == []
+    assert summary["factory"]["withheld"] == [{
+        "site-id": site, "module-id": f"site{site}-class{withheld_class}", "classes": [withheld_class],
+        "reason": f"no held-out image of class(es) [{withheld_class}] to audit against (raise val-fraction)",
+    }]  # fmt: skip
+    uploaded = [(s, c) for s, classes in modelled.items() for c in classes if (s, c) not in unauditable]
+    assert summary["factory"]["missing_classes"] == sorted(set(range(10)) - {c for _, c in uploaded})
     manifest = json.loads((factory_run / "library" / "manifest.json").read_text())
-    assert {m["site-id"] for m in manifest["modules"]} == set(modelled) - refusing
-    assert sorted(c for m in manifest["modules"] for c in m["classes"]) == sorted(
-        c for site, classes in modelled.items() if site not in refusing for c in classes
-    )
+    assert sorted((m["site-id"], c) for m in manifest["modules"] for c in m["classes"]) == sorted(uploaded)
     for module in manifest["modules"]:
         assert (factory_run / "library" / f"{module['module-id']}.safetensors").is_file()
     # DP generators: each module's epsilon, in the manifest and the summary, is the one its class size and
@@ -439,9 +481,9 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     assert [r["round"] for r in rounds] == [1]
     # accuracy is the test split's class shares weighting the per-class recalls (two computations agree)
     assert rounds[0]["test"]["accuracy"] == pytest.approx(accuracy_from_recalls(rounds[0]["test"]["per_class_recall"]))
-    # bytes: the two uploading sites sent their generators; the refusing one sent nothing back
+    # bytes: every site sent its generators, the withholding one three of its four
     received = summary["bytes"]["received_per_site"]
-    assert len(received) == 2 and min(received.values()) > 4 * 250_000
+    assert len(received) == 3 and min(received.values()) > 3 * 250_000
     assert (factory_run / "samples" / "all-classes.png").is_file() and (factory_run / "model.safetensors").is_file()
     report = (factory_run / "report.html").read_text()  # written at the end of the run, from these files
     assert "Synthetic samples" in report and all(m["module-id"] in report for m in manifest["modules"])
@@ -450,7 +492,7 @@ def test_factory_run_writes_library_and_metrics_and_goes_on_without_the_refusing
     assert summary["fidelity"] == fidelity
     assert (factory_run / fidelity["tsne_png"]).stat().st_size > 10_000
     per_class = fidelity["classifier"]["per_class"]
-    assert sorted(int(name) for name in per_class) == sorted(uploaded)
+    assert sorted(int(name) for name in per_class) == sorted({c for _, c in uploaded})
     assert all(row["n"] == 24 and row["fd"] > -1e-6 and row["fd_floor"] > -1e-6 for row in per_class.values())
 
 

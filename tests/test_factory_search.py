@@ -98,3 +98,24 @@ def test_a_site_with_no_class_to_model_uploads_nothing_and_the_search_goes_on(tm
     library, _, _ = factory_search.site_library(cfg, sites, tmp_path, torch.device("cpu"))
     assert sorted({m.site_id for m in library.modules}) == [0, 2]
     assert "site 1: no class with >= factory.min-class-images" in capsys.readouterr().out
+
+
+def test_a_set_max_memorization_leaves_out_what_the_sites_would_withhold(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from fedskew.factory.library import Library
+
+    def module(site, cls, share):
+        return SimpleNamespace(module_id=f"site{site}-class{cls}", site_id=site, classes=(cls,), memorization=share)
+
+    # site 0 withholds class 1 and keeps class 2; every generator of site 1 is above the limit: it uploads nothing
+    modules = (module(0, 1, 0.5), module(0, 2, 0.05), module(1, 3, 0.9), module(1, 4, float("nan")))
+    library = Library(modules, 5, (1, 8, 8), tuple("abcde"))
+    directory = tmp_path / "0123abcd"
+    cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "iid", "factory.max-memorization": 0.05})
+    kept, cache = factory_search.uploaded_library(cfg, library, directory)
+    assert [m.module_id for m in kept.modules] == ["site0-class2"]
+    assert cache == tmp_path / "0123abcd-max-memorization-0.05" and cache.is_dir()  # its synthetic sets are its own
+    assert "site 1: site refuses to upload" in capsys.readouterr().out
+    # unset, the search (like a simulation) uploads every generator and caches next to the library
+    assert factory_search.uploaded_library(RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "iid"}), library, directory) == (library, directory)

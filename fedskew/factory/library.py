@@ -284,6 +284,28 @@ def check_uploader(meta: dict, site_id: int) -> None:
         )
 
 
+# A withheld module's reason is one line of the site's audit; anything longer is not one.
+WITHHELD_REASON_CHARS = 300
+
+
+def withheld_modules(meta: dict, plan: Sequence[PlannedModule]) -> list[dict]:
+    """The modules a site's upload says it withheld ({"module-id", "classes", "reason"}; the classes are the
+    plan's): distinct module ids of its plan, each with a short reason. Withholding only removes what the
+    server gets, so the reason is recorded, not verified; an upload that withholds every module is not one."""
+    entries = meta.get("withheld", [])
+    planned = {p.module_id: p for p in plan}
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and set(e) == {"module-id", "reason"} for e in entries):
+        raise UploadRejected(f"withheld must be a list of {{'module-id', 'reason'}} objects, got {_shown(entries)}")
+    ids = [e["module-id"] for e in entries]
+    if not all(isinstance(i, str) and i in planned for i in ids) or len(set(ids)) != len(ids):
+        raise UploadRejected(f"withheld names modules {_shown(ids)}; they must be distinct modules of this site's plan {list(planned)}")
+    if not all(isinstance(e["reason"], str) and 0 < len(e["reason"]) <= WITHHELD_REASON_CHARS for e in entries):
+        raise UploadRejected(f"each withheld module needs a reason of 1-{WITHHELD_REASON_CHARS} characters, got {_shown(entries)}")
+    if plan and len(ids) == len(plan):
+        raise UploadRejected("the upload withholds every module of the site; a site with nothing to upload refuses instead")
+    return [{"module-id": e["module-id"], "classes": list(planned[e["module-id"]].classes), "reason": e["reason"]} for e in entries]
+
+
 def validate_upload(
     meta: dict,
     states: dict[str, dict[str, torch.Tensor]],
@@ -296,10 +318,13 @@ def validate_upload(
 ) -> list[GeneratorModule]:
     """One site's upload ({"site-id", "image-shape", "modules": [module metadata]}) checked against what
     the server derived for it: `site_id` is the one its node gave in its own survey reply, `plan` the
-    modules its label counts and the run config make. The site supplies only weights, checksums and its
-    memorisation audit; every other declared fact (its DP guarantee too) must equal the plan. With
-    max_epsilon > 0 every module must declare a DP epsilon of at most that."""
+    modules its label counts and the run config make, less those it withheld (`withheld_modules`). The
+    site supplies only weights, checksums and its memorisation audit; every other declared fact (its DP
+    guarantee too) must equal the plan. With max_epsilon > 0 every module must declare a DP epsilon of at
+    most that."""
     check_uploader(meta, site_id)
+    withheld = {w["module-id"] for w in withheld_modules(meta, plan)}
+    plan = [p for p in plan if p.module_id not in withheld]
     if not _same_json(meta.get("image-shape"), list(image_shape)):
         raise UploadRejected(f"the site's images are {_shown(meta.get('image-shape'))} (C, H, W); the run's are {list(image_shape)}")
     metas = meta.get("modules")

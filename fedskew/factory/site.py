@@ -56,7 +56,7 @@ class UploadRefusal(ValueError):
 
 
 class MemorizationRefusal(UploadRefusal):
-    """The site will not upload: a generator's audit is above factory.max-memorization or impossible."""
+    """The site will not upload: every generator's audit is above factory.max-memorization or impossible."""
 
 
 class EpsilonRefusal(UploadRefusal):
@@ -130,21 +130,28 @@ def audit_generator(
     return float("nan") if any(np.isnan(shares)) else max(shares)
 
 
-def check_memorization(modules: list[GeneratorModule], max_memorization: float) -> None:
-    """Raise MemorizationRefusal naming every module above the limit or without an audit (limit 0 = off)."""
+def check_memorization(modules: list[GeneratorModule], max_memorization: float) -> tuple[list[GeneratorModule], list[dict]]:
+    """(the modules to upload, the withheld ones: module id and why) under factory.max-memorization (0 = off:
+    every module is uploaded). A module above the limit, or without a held-out image to audit against, is
+    withheld on its own: a generator models one class of the site, so the others may still leave it (under
+    label skew the few images of a site's rare class are what a generator memorises). Raises
+    MemorizationRefusal naming every module when none is left."""
     if max_memorization <= 0:
-        return
-    problems = [
-        f"{m.module_id}: no held-out image of class(es) {list(m.classes)} to audit against (raise val-fraction)"
+        return list(modules), []
+    withheld = [
+        {"module-id": m.module_id, "reason": f"no held-out image of class(es) {list(m.classes)} to audit against (raise val-fraction)"}
         if np.isnan(m.memorization)
-        else f"{m.module_id}: {m.memorization:.3f} of audit samples memorised"
+        else {"module-id": m.module_id, "reason": f"{m.memorization:.3f} of audit samples memorised"}
         for m in modules
         if not m.memorization <= max_memorization
     ]
-    if problems:
+    kept = [m for m in modules if m.memorization <= max_memorization]
+    if not kept:
         raise MemorizationRefusal(
-            f"site refuses to upload: factory.max-memorization = {max_memorization} is exceeded: " + "; ".join(problems)
+            f"site refuses to upload: factory.max-memorization = {max_memorization} is exceeded by every generator: "
+            + "; ".join(f"{w['module-id']}: {w['reason']}" for w in withheld)
         )
+    return kept, withheld
 
 
 def check_epsilon(plan: list[PlannedModule], max_epsilon: float) -> None:
@@ -239,6 +246,16 @@ def label_counts(site: SiteData) -> list[int]:
     return np.bincount(site.train_labels, minlength=site.num_classes).tolist()
 
 
+def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModule]) -> tuple[list[GeneratorModule], list[dict]]:
+    """`check_memorization` at the site's limit (factory.max-memorization; by default 0.05 at a deployed
+    site, off in simulation), each withheld generator printed with its reason."""
+    limit = cfg.factory.memorization_limit(deployed=isinstance(site, DeployedSite))
+    kept, withheld = check_memorization(modules, limit)
+    for entry in withheld:
+        print(f"site {site.site_id}: withholds {entry['module-id']} (factory.max-memorization = {limit}): {entry['reason']}", flush=True)
+    return kept, withheld
+
+
 def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
     """The generators `site` trains (empty when it holds no class with factory.min-class-images images)."""
     return planned_modules(cfg, site.site_id, label_counts(site), tuple(site.train_images.shape[1:]))
@@ -247,8 +264,8 @@ def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
 def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
     """One unconditional generator per class held (or one conditional one), each audited, in
     factory.parallel-generators worker processes side by side; returns the modules (EMA weights, in plan
-    order) and timing metrics (seconds summed over the generators). Raises MemorizationRefusal instead of
-    returning modules that fail the audit."""
+    order, each with its audit share) and timing metrics (seconds summed over the generators). What may
+    leave the site is decided on upload (`check_memorization`)."""
     factory = cfg.factory
     plan = site_plan(cfg, site)
     if not plan:
@@ -264,7 +281,6 @@ def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) 
         modules.append(module)
         training.add(module_training)
         audit.add(module_audit)
-    check_memorization(modules, factory.memorization_limit(deployed=isinstance(site, DeployedSite)))
     return modules, {
         **training.as_metrics("generator"), **audit.as_metrics("audit"), "modules": len(modules), "generator_workers": workers,
     }
@@ -277,10 +293,11 @@ def lacking_classes(site: SiteData, library: Library) -> list[int]:
 
 
 def p2p_samples_per_class(site: SiteData, factory: FactorySection) -> int:
-    """Synthetic images per lacking class: the configured count, or (0) by image side from the mean number
-    of real images per class the site holds."""
+    """Synthetic images per lacking class: the configured count, or (0) by image side from the real images
+    of the site's largest class, so its expert trains on a class-balanced set (under label skew the mean
+    over the classes held counts classes of one or two images and starved the experts)."""
     counts = np.bincount(site.train_labels, minlength=site.num_classes)
-    return factory.expert_samples_per_class(site.train_images.shape[-1], max(1, round(counts[counts > 0].mean())))
+    return factory.expert_samples_per_class(site.train_images.shape[-1], max(1, int(counts.max())))
 
 
 def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, device: torch.device) -> SyntheticSet | None:

@@ -50,10 +50,11 @@ from fedskew.factory.library import (
     save_class_grids,
     save_synthetic,
     validate_upload,
+    withheld_modules,
     write_library,
 )
 from fedskew.factory.intensity import check_histograms, class_histograms, match_intensity
-from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators
+from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators, uploaded_modules
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.fidelity import record_fidelity
 from fedskew.models.edm2 import build_generator
@@ -189,12 +190,17 @@ def decode_modules(content: RecordDict, max_bytes: int) -> tuple[dict, dict[str,
 
 
 def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordDict:
-    """Round 1 at a site: train and audit its generators; raises an UploadRefusal instead of uploading a
-    generator above factory.max-memorization or factory.max-epsilon."""
+    """Round 1 at a site: train and audit its generators and upload those within factory.max-memorization
+    (the manifest names the withheld ones and why); raises an UploadRefusal when none is left or a
+    generator would exceed factory.max-epsilon."""
     modules, metrics = train_site_generators(cfg, site, device)
-    manifest = {"site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules]}
+    modules, withheld = uploaded_modules(cfg, site, modules)
+    manifest = {
+        "site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules],
+        "withheld": withheld,
+    }  # fmt: skip
     content = encode_modules(manifest, modules)
-    content[METRICS_KEY] = MetricRecord({**metrics, "site-id": site.site_id})
+    content[METRICS_KEY] = MetricRecord({**metrics, "modules": len(modules), "withheld": len(withheld), "site-id": site.site_id})
     if cfg.factory.match_intensity:
         histograms = class_histograms(site.train_images, site.train_labels, site.num_classes)
         content[INTENSITY_KEY] = ArrayRecord({INTENSITY_KEY: Array(histograms)})
@@ -345,21 +351,26 @@ class FactoryFlow(RecordingMixin):
             plan = planned_modules(cfg, identity.site_id, list(identity.label_counts), image_shape)
             manifest = decode_manifest(reply.content)
             check_uploader(manifest, identity.site_id)  # an impostor is named as one before its weights are read
-            states = decode_states(reply.content, max_bytes, [p.module_id for p in plan])
+            withheld = withheld_modules(manifest, plan)
+            withheld_ids = {w["module-id"] for w in withheld}
+            states = decode_states(reply.content, max_bytes, [p.module_id for p in plan if p.module_id not in withheld_ids])
             histograms = uploaded_histograms(reply.content, identity, image_shape) if cfg.factory.match_intensity else None
             modules = validate_upload(
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
                 max_memorization=cfg.factory.max_memorization, max_epsilon=cfg.factory.max_epsilon,
             )  # fmt: skip
-            return modules, histograms
+            for entry in withheld:
+                print(f"site {identity.site_id} withheld {entry['module-id']}: {entry['reason']}", flush=True)
+            return modules, histograms, [{"site-id": identity.site_id, **w} for w in withheld]
 
         messages = [
             Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
             for node in identities
         ]
         accepted, rejected = self.checked_replies(1, messages, identities, "upload", check)
-        modules = [m for _, _, (checked, _) in accepted for m in checked]
-        histograms = [h for _, _, (_, h) in accepted if h is not None]
+        modules = [m for _, _, (checked, _, _) in accepted for m in checked]
+        histograms = [h for _, _, (_, h, _) in accepted if h is not None]
+        self.recorder.extra.setdefault("factory", {})["withheld"] = [w for _, _, (_, _, site_withheld) in accepted for w in site_withheld]
         self.real_histograms = sum(histograms) if histograms else None
         site_metrics = [
             {"node": str(identity.node), **reported_metrics(reply), "site-id": identity.site_id} for identity, reply, _ in accepted
