@@ -296,8 +296,7 @@ def p2p_samples_per_class(site: SiteData, factory: FactorySection) -> int:
     """Synthetic images per lacking class: the configured count, or (0) by image side from the real images
     of the site's largest class, so its expert trains on a class-balanced set (under label skew the mean
     over the classes held counts classes of one or two images and starved the experts)."""
-    counts = np.bincount(site.train_labels, minlength=site.num_classes)
-    return factory.expert_samples_per_class(site.train_images.shape[-1], max(1, int(counts.max())))
+    return factory.expert_samples_per_class(site.train_images.shape[-1], max(1, *label_counts(site)))
 
 
 def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, device: torch.device) -> SyntheticSet | None:
