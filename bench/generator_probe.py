@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -48,9 +49,13 @@ def flat_colours(count: int, side: int, seed: int) -> np.ndarray:
     return np.broadcast_to(colours, (count, 3, side, side)).astype(np.float32).copy()
 
 
-def probe(class_images: np.ndarray, side: int, steps: int, channels: int, seed: int) -> tuple[np.ndarray, float]:
-    """(64 synthetic images, training seconds) of the preset generator widened to `channels`, trained `steps` steps."""
+def probe(class_images: np.ndarray, side: int, steps: int, channels: int, p_mean: float | None,
+          seed: int) -> tuple[np.ndarray, float]:
+    """(64 synthetic images, training seconds) of the preset generator widened to `channels`, trained `steps` steps,
+    its training noise levels centred on exp(`p_mean`) (None: the preset's)."""
     config = dataclasses.replace(cpu_preset(side), img_channels=class_images.shape[1], model_channels=channels, seed=seed)
+    if p_mean is not None:
+        config = dataclasses.replace(config, P_mean=p_mean)
     config = budgeted_for_class(config, len(class_images), steps * config.batch_size)
     start = time.perf_counter()
     net, _ = train_generator(class_images, None, config, progress=None)
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=180, help="real training images of the class (a site's holding)")
     parser.add_argument("--steps", default="400", help="comma-separated generator steps (batch 64)")
     parser.add_argument("--channels", default="16", help="comma-separated first-level UNet channels")
+    parser.add_argument("--p-mean", default="", help="comma-separated log-sigma centres of the training noise "
+                        "(EDM2's P_mean; empty: the preset's); higher spends more steps on coarse structure")
     parser.add_argument("--grey", action="store_true", help="average the colour channels first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
@@ -86,15 +93,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--class-id {args.class_id}: {len(class_images)} training images in {args.dataset}; need >= 2")
     features = None if real is None else classifier_features(
         real.train_images, real.train_labels, int(real.train_labels.max()) + 1, args.seed, device)
+    p_means = [float(m) for m in args.p_mean.split(",")] if args.p_mean else [None]
     args.out.mkdir(parents=True, exist_ok=True)
     for steps in (int(s) for s in args.steps.split(",")):
-        for channels in (int(c) for c in args.channels.split(",")):
-            synthetic, seconds = probe(class_images, args.image_size, steps, channels, args.seed)
-            label = f"{name}-{steps}steps-{channels}ch" + ("-grey" if args.grey else "")
+        for channels, p_mean in itertools.product((int(c) for c in args.channels.split(",")), p_means):
+            synthetic, seconds = probe(class_images, args.image_size, steps, channels, p_mean, args.seed)
+            label = (f"{name}-{steps}steps-{channels}ch" + ("" if p_mean is None else f"-pmean{p_mean:g}")
+                     + ("-grey" if args.grey else ""))
             grid = np.concatenate([tile(synthetic, columns=8), tile(class_images[:SAMPLES], columns=8)], axis=1)
             plt.imsave(args.out / f"{label}.png", grid.clip(0, 1), cmap="gray", vmin=0, vmax=1)
             record = {"probe": label, "dataset": args.dataset, "image_size": args.image_size, "class_id": args.class_id,
-                      "grey": args.grey, "steps": steps, "channels": channels, "train_seconds": round(seconds, 1),
+                      "grey": args.grey, "steps": steps, "channels": channels,
+                      "P_mean": cpu_preset(args.image_size).P_mean if p_mean is None else p_mean, "train_seconds": round(seconds, 1),
                       "within_image_std": {"synthetic": float(synthetic.std(axis=(2, 3)).mean()),
                                            "real": float(class_images.std(axis=(2, 3)).mean())}}
             if features is not None:

@@ -32,3 +32,14 @@ def test_probe_writes_a_grid_and_the_class_fd_beside_its_floor(tmp_path):
     grid = Image.open(tmp_path / "digits-8px-class3-2steps-8ch.png")
     cell = 8 * 4 + 1  # 8 px enlarged to 32, plus the gap
     assert grid.size == (2 * 8 * cell, 8 * cell)  # synthetic and real side by side, 8 x 8 images each
+
+
+def test_each_p_mean_trains_its_own_generator_and_is_recorded(tmp_path):
+    main(["--dataset", "digits", "--image-size", "8", "--class-id", "3", "--steps", "2", "--channels", "8",
+          "--p-mean=-1.2,0.4", "--out", str(tmp_path)])
+    records = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert [r["P_mean"] for r in records] == [-1.2, 0.4]
+    assert [r["probe"] for r in records] == ["digits-8px-class3-2steps-8ch-pmean-1.2", "digits-8px-class3-2steps-8ch-pmean0.4"]
+    assert all((tmp_path / f"{r['probe']}.png").is_file() for r in records)
+    # Other noise levels give other gradients from the same seed, so other generators and samples.
+    assert records[0]["fd"] != records[1]["fd"]
