@@ -1,6 +1,7 @@
-"""Does a FederatedFactory run's server classifier depend on the number of torch threads?
+"""Does a FederatedFactory run's server classifier depend on the number of torch threads, and which epoch should it keep?
 
     python -m bench.classifier_threads --run RUN_DIR --threads 1,2
+    python -m bench.classifier_threads --synthetic SET.safetensors --run-config "..." --threads 1 --by-epoch
 
 Retrains the server classifier of a finished `factory` run (its `config.json` and the synthetic set it
 stored, `synthetic.safetensors`) once per torch thread count, with the run's recipe and seed, and
@@ -9,6 +10,13 @@ give the same model only at the same thread count: another count sums the same g
 order, and the rounding grows over the epochs. This is how the in-process search
 (`bench.factory_search`, one thread) and a Flower run (the server's threads) were found to part on
 identical generators and synthetic sets.
+
+`--synthetic` and `--run-config` name a stored synthetic set and its run config instead of a run folder
+(`bench.factory_search` caches its sets beside its generators). `--by-epoch` also scores every epoch's
+model on the sites' real validation splits (the union of the simulated sites' `val` images) and on the
+test split, and prints which epoch each selection rule keeps: the first with the best held-out accuracy
+(the rule before), the best accuracy then likelihood (`holdout_score`, the rule now), the lowest held-out
+loss, and the last epoch. The real validation images judge the rules; the test split is only reported.
 """
 
 from __future__ import annotations
@@ -17,43 +25,95 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
+import fedskew.factory.classifier as classifier_module
+from bench.compare import parse_run_config
 from fedskew.config import RunConfig, current_run_config
-from fedskew.data.sites import load_task_dataset
+from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.factory.classifier import ClassifierRecipe, train_classifier
 from fedskew.training import evaluate
 
 SYNTHETIC_FILE = "synthetic.safetensors"
 
 
-def retrain(cfg: RunConfig, images: torch.Tensor, labels: torch.Tensor, threads: int) -> dict:
-    """Test metrics of the run's classifier recipe trained on (images, labels) with `threads` torch threads."""
+def retrain(cfg: RunConfig, images: torch.Tensor, labels: torch.Tensor, threads: int, by_epoch: bool = False,
+            num_sites: int = 10) -> dict:
+    """Test metrics of the run's classifier recipe trained on (images, labels) with `threads` torch threads;
+    with `by_epoch`, every epoch's held-out score, real validation and test accuracy, and the rules' picks."""
     torch.set_num_threads(threads)
     device = torch.device("cpu")
     num_classes = int(labels.max()) + 1
-    model, stats = train_classifier(images.numpy(), labels.numpy(), num_classes, ClassifierRecipe.from_config(cfg),
-                                    val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
     test = load_task_dataset(cfg)
+    epochs: list[dict] = []
+    if by_epoch:
+        sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+        real_val = np.concatenate([s.val_images for s in sites]), np.concatenate([s.val_labels for s in sites])
+        score = classifier_module.holdout_score
+
+        def recording_score(model, *args):  # the library's score, plus what the rules are judged on
+            accuracy, log_likelihood = score(model, *args)
+            epochs.append({"epoch": len(epochs) + 1, "holdout_accuracy": accuracy, "holdout_nll": -log_likelihood,
+                           "real_val_accuracy": evaluate(model, *real_val, device=device)["accuracy"],
+                           "test_accuracy": evaluate(model, test.test_images, test.test_labels, device=device)["accuracy"]})
+            return accuracy, log_likelihood
+
+        classifier_module.holdout_score = recording_score
+    try:
+        model, stats = train_classifier(images.numpy(), labels.numpy(), num_classes, ClassifierRecipe.from_config(cfg),
+                                        val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
+    finally:
+        if by_epoch:
+            classifier_module.holdout_score = score
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
-    return {"threads": threads, "accuracy": round(metrics["accuracy"], 4), "best_epoch": stats["best_epoch"],
-            "train_loss": stats["train_loss"]}  # fmt: skip
+    result = {"threads": threads, "accuracy": round(metrics["accuracy"], 4), "best_epoch": stats["best_epoch"],
+              "train_loss": stats["train_loss"]}
+    if by_epoch:
+        result["rules"] = {name: epochs[index] for name, index in rule_picks(epochs).items()}
+        result["epochs"] = epochs
+    return result
+
+
+def rule_picks(epochs: list[dict]) -> dict[str, int]:
+    """Index of the epoch each selection rule keeps."""
+    order = range(len(epochs))
+    accuracy = [e["holdout_accuracy"] for e in epochs]
+    nll = [e["holdout_nll"] for e in epochs]
+    return {
+        "first-best-accuracy": max(order, key=lambda i: (accuracy[i], -i)),
+        "best-accuracy-then-likelihood": max(order, key=lambda i: (accuracy[i], -nll[i])),
+        "lowest-loss": min(order, key=lambda i: nll[i]),
+        "last": len(epochs) - 1,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", type=Path, required=True, help="a finished factory run's directory")
+    parser.add_argument("--run", type=Path, help="a finished factory run's directory")
+    parser.add_argument("--synthetic", type=Path, help="a stored synthetic set, instead of --run")
+    parser.add_argument("--run-config", default="", help="with --synthetic: its run config (key=value pairs)")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--by-epoch", action="store_true", help="score every epoch and report each rule's pick")
     args = parser.parse_args(argv)
-    config_file, synthetic_file = args.run / "config.json", args.run / SYNTHETIC_FILE
-    for path in (config_file, synthetic_file):
-        if not path.is_file():
-            parser.error(f"--run {args.run}: no {path.name}; give the directory of a finished factory run")
-    cfg = RunConfig.from_run_config(current_run_config(json.loads(config_file.read_text())))
+    if (args.run is None) == (args.synthetic is None):
+        parser.error("give --run (a finished factory run's directory) or --synthetic with --run-config")
+    if args.run is not None:
+        config_file, synthetic_file = args.run / "config.json", args.run / SYNTHETIC_FILE
+        for path in (config_file, synthetic_file):
+            if not path.is_file():
+                parser.error(f"--run {args.run}: no {path.name}; give the directory of a finished factory run")
+        run_config = current_run_config(json.loads(config_file.read_text()))
+    else:
+        synthetic_file = args.synthetic
+        if not synthetic_file.is_file():
+            parser.error(f"--synthetic {synthetic_file}: no such file")
+        run_config = {"method": "factory", **parse_run_config(args.run_config)}
+    cfg = RunConfig.from_run_config(run_config)
     synthetic = load_file(synthetic_file)
     for threads in (int(t) for t in args.threads.split(",")):
-        print(json.dumps(retrain(cfg, synthetic["images"], synthetic["labels"], threads)), flush=True)
+        print(json.dumps(retrain(cfg, synthetic["images"], synthetic["labels"], threads, args.by_epoch)), flush=True)
 
 
 if __name__ == "__main__":

@@ -238,15 +238,16 @@ class FactorySection(_Section):
         "decay spans them."
     )
     classifier_patience: int = Field(
-        0, ge=0, le=10_000, description="Stop the classifier once its held-out accuracy has not improved for this "
-        "many epochs (0 = train all `factory.classifier-epochs`)."
+        0, ge=0, le=10_000, description="Stop the classifier once its held-out score (accuracy, ties broken by the "
+        "likelihood) has not improved for this many epochs (0 = train all `factory.classifier-epochs`)."
     )
     classifier_lr: float = Field(0.05, gt=0, le=10, description="Classifier SGD learning rate, cosine-decayed to 0.")
     classifier_batch_size: int = Field(64, ge=1, le=65536, description="Classifier mini-batch size.")
     classifier_momentum: float = Field(0.9, ge=0, lt=1, description="Classifier SGD momentum.")
     classifier_weight_decay: float = Field(1e-4, ge=0, le=1, description="Classifier SGD weight decay.")
     classifier_val_fraction: float = Field(
-        0.1, gt=0, lt=0.5, description="Share of the server's synthetic set held out to pick the best epoch."
+        0.1, gt=0, lt=0.5, description="Share of the server's synthetic set held out to pick the best epoch "
+        "(highest accuracy; among equal ones the highest likelihood)."
     )
     fidelity: bool = Field(
         True, description="Measure per-class FD/KID of the synthetic set against the real data in a small CNN's "

@@ -35,3 +35,17 @@ def test_a_folder_that_is_not_a_finished_factory_run_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--run", str(tmp_path)])
     assert f"--run {tmp_path}: no {SYNTHETIC_FILE}" in capsys.readouterr().err
+
+
+def test_by_epoch_records_every_epoch_and_each_rule_picks_from_them(tmp_path, capsys):
+    finished_run(tmp_path, epochs=3)
+    main(["--synthetic", str(tmp_path / SYNTHETIC_FILE), "--run-config",
+          "mosaic-grid=0 partition='classes-per-site' factory.classifier-epochs=3", "--threads", "1", "--by-epoch"])
+    [result] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    epochs = result["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    # The library's own rule is one of the reported ones, and the model it returned is that epoch's.
+    now = result["rules"]["best-accuracy-then-likelihood"]
+    assert now["epoch"] == result["best_epoch"] and now["test_accuracy"] == pytest.approx(result["accuracy"], abs=1e-4)
+    assert result["rules"]["last"] == epochs[-1]
+    assert result["rules"]["lowest-loss"]["holdout_nll"] == min(e["holdout_nll"] for e in epochs)

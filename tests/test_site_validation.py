@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.factory.classifier import ClassifierRecipe, checkpoint_epochs, train_classifier
+import fedskew.factory.classifier as classifier_module
+from fedskew.factory.classifier import ClassifierRecipe, checkpoint_epochs, holdout_score, train_classifier
 from fedskew.factory.site_validation import (
     ClassScores,
     balanced_accuracy,
@@ -119,12 +120,29 @@ def test_checkpoint_epochs_are_powers_of_two_best_and_last():
     assert checkpoint_epochs(1, 1) == [1]
 
 
-def test_classifier_stops_once_the_held_out_accuracy_stops_improving():
+def test_held_out_score_is_accuracy_and_mean_log_likelihood():
+    class Fixed(nn.Module):  # logits that give probabilities 0.8 / 0.2 for the first class of every image
+        def forward(self, x):
+            return torch.tensor([[math.log(4.0), 0.0]]).repeat(len(x), 1)
+
+    images, labels = np.zeros((4, 1, 8, 8), dtype=np.float32), np.array([0, 0, 0, 1])
+    accuracy, log_likelihood = holdout_score(Fixed(), images, labels, CPU)
+    assert accuracy == 0.75
+    assert log_likelihood == pytest.approx((3 * math.log(0.8) + math.log(0.2)) / 4, rel=1e-6)
+    assert holdout_score(Fixed(), images[:0], labels[:0], CPU) == (0.0, 0.0)
+
+
+def test_classifier_keeps_the_best_score_breaking_accuracy_ties_by_likelihood_and_stops_after_patience(monkeypatch):
+    # Scripted held-out scores: epoch 3 ties epoch 2 on accuracy with a better likelihood; 4 and 5 improve
+    # neither, so patience 2 stops after epoch 5 and the weights of epoch 3 come back.
+    scores = iter([(0.90, -0.5), (0.95, -0.4), (0.95, -0.2), (0.95, -0.3), (0.94, -0.1), (0.99, -0.01)])
+    monkeypatch.setattr(classifier_module, "holdout_score", lambda *args: next(scores))
     rng = np.random.default_rng(0)
-    images = rng.random((20, 1, 8, 8), dtype=np.float32)
-    labels = np.zeros(20, dtype=np.int64)  # one class: held-out accuracy is 1.0 from epoch 1 and cannot improve
+    images, labels = rng.random((20, 1, 8, 8), dtype=np.float32), np.arange(20) % 2
     recipe = ClassifierRecipe("small-cnn", 8, 50, 0.05, 0.9, 1e-4, 20, "none", patience=2)
     checkpoints = {}
-    _, stats = train_classifier(images, labels, 2, recipe, val_fraction=0.2, seed=0, device=CPU, checkpoints=checkpoints)
-    assert (stats["best_epoch"], stats["last_epoch"]) == (1, 3)
-    assert sorted(checkpoints) == [1, 2, 3]
+    model, stats = train_classifier(images, labels, 2, recipe, val_fraction=0.2, seed=0, device=CPU, checkpoints=checkpoints)
+    assert (stats["best_epoch"], stats["last_epoch"]) == (3, 5)
+    assert (stats["val_accuracy"], stats["val_nll"]) == (0.95, 0.2)
+    assert sorted(checkpoints) == [1, 2, 3, 4, 5]
+    assert all(torch.equal(v, checkpoints[3][k]) for k, v in model.state_dict().items())

@@ -23,7 +23,7 @@ from fedskew.factory.library import UploadRejected
 from fedskew.models.backbones import Classifier, build_backbone
 from fedskew.models.build import weights_mismatch
 from fedskew.models.edm2 import augment as flip_rotate
-from fedskew.training import LossFn, evaluate, make_loader, random_shift, train_local
+from fedskew.training import EVAL_BATCH_SIZE, LossFn, make_loader, predict, random_shift, train_local
 
 # log(1e-12): an expert that rules a class out cannot veto it by more than this.
 LOG_PROB_FLOOR = math.log(1e-12)
@@ -96,6 +96,19 @@ def checkpoint_epochs(best_epoch: int, last_epoch: int) -> list[int]:
     return sorted({*powers, best_epoch, last_epoch})
 
 
+def holdout_score(model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device) -> tuple[float, float]:
+    """(accuracy, minus the mean negative log-likelihood) on a held-out split: larger is better, and
+    epochs compare by accuracy first, then by the likelihood. The likelihood breaks ties because a
+    synthetic hold-out is easy: on 8 px digits its accuracy sat at 0.9967 (one image of 300 wrong) at
+    7 of 20 epochs, and the first of them, taken mid-schedule at a high learning rate, was 2 points
+    worse on the sites' real validation images than the annealed ones."""
+    if not len(labels):
+        return 0.0, 0.0
+    y_true, probs = predict(model, make_loader(images, labels, EVAL_BATCH_SIZE, shuffle=False), device, multilabel=False)
+    log_likelihood = np.log(np.maximum(probs[np.arange(len(y_true)), y_true], math.exp(LOG_PROB_FLOOR)))
+    return float((probs.argmax(axis=1) == y_true).mean()), float(log_likelihood.mean())
+
+
 def train_classifier(
     images: np.ndarray,
     labels: np.ndarray,
@@ -108,9 +121,10 @@ def train_classifier(
     checkpoints: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> tuple[Classifier, dict]:
     """Train from scratch on (images, labels) minus a stratified `val_fraction` until the validation
-    accuracy has not improved for recipe.patience epochs (or recipe.epochs); returns the weights of the
-    epoch with the best validation accuracy, and stats (loss, best and last epoch, validation accuracy,
-    seconds). `checkpoints`, when given, receives {epoch: weights} for checkpoint_epochs."""
+    score (holdout_score) has not improved for recipe.patience epochs (or recipe.epochs); returns the
+    weights of the epoch with the best score, and stats (loss, best and last epoch, its validation
+    accuracy and negative log-likelihood, seconds). `checkpoints`, when given, receives {epoch: weights}
+    for checkpoint_epochs."""
     train_idx, val_idx = stratified_holdout(labels, val_fraction, seed)
     torch.manual_seed(seed)
     model = build_classifier(recipe.arch, tuple(images.shape[1:]), num_classes, recipe.feature_side).to(device)
@@ -118,18 +132,19 @@ def train_classifier(
     optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=recipe.epochs * len(loader), eta_min=0.0)
     loss_fn = augmented_cross_entropy(recipe.augment, seed)
-    best = {"val_accuracy": -1.0}
+    best = {"score": (-math.inf, -math.inf)}
     states: dict[int, dict[str, torch.Tensor]] = {}
     seconds = 0.0
     for epoch in range(1, recipe.epochs + 1):
         stats = train_local(model, loader, epochs=1, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn, device=device)
         seconds += stats["train_seconds"]
-        val_accuracy = evaluate(model, images[val_idx], labels[val_idx], device=device)["accuracy"] if len(val_idx) else 0.0
+        score = holdout_score(model, images[val_idx], labels[val_idx], device)
         if checkpoints is not None:
             states[epoch] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        if val_accuracy > best["val_accuracy"]:
-            best = {"val_accuracy": val_accuracy, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
-        print(f"classifier epoch {epoch}/{recipe.epochs}: loss {stats['train_loss']:.4f}, val acc {val_accuracy:.4f}", flush=True)
+        if score > best["score"]:
+            best = {"score": score, "best_epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+        print(f"classifier epoch {epoch}/{recipe.epochs}: loss {stats['train_loss']:.4f}, val acc {score[0]:.4f}, "
+              f"val nll {-score[1]:.4f}", flush=True)
         if recipe.patience and epoch - best["best_epoch"] >= recipe.patience:
             break
         if checkpoints is not None:  # drop what can no longer be a checkpoint epoch, to bound memory
@@ -138,7 +153,10 @@ def train_classifier(
     if checkpoints is not None:
         checkpoints.update({e: states[e] for e in checkpoint_epochs(best["best_epoch"], epoch)})
     model.load_state_dict(best.pop("state"))
+    val_accuracy, val_log_likelihood = best.pop("score")
     return model, {
+        "val_accuracy": val_accuracy,
+        "val_nll": -val_log_likelihood,
         "train_loss": stats["train_loss"],
         "train_seconds": seconds,
         "num_examples": len(train_idx),
