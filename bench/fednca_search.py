@@ -186,6 +186,12 @@ TRIALS = [
     ("fednca-e1-r60-adam-averaged-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift",
                                                      "fednca.keep-optimizer-state": True,
                                                      "bench.average-optimizer-state": "both"}),
+    # A fresh AdamW's first steps are about lr * sign(g) for every weight, however small its gradient; a larger
+    # epsilon shrinks those steps for weights with small gradients. Does it take the restart's cost away?
+    ("centralized-e1-r60-adam-reset6-eps1e-3", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                               "bench.optimizer-reset-steps": 6, "bench.adam-eps": 1e-3}),
+    ("fednca-e1-r60-eps1e-3", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.adam-eps": 1e-3}),
+    ("fednca-e1-r60-eps1e-5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.adam-eps": 1e-5}),
     ("fedavg-lr0.05", "fedavg", {"lr": 0.05}),
     ("fedavg-lr0.02", "fedavg", {"lr": 0.02}),
     ("fedavg-lr0.1", "fedavg", {"lr": 0.1}),
@@ -513,6 +519,18 @@ def clear_dataset_caches() -> None:
     site_data._load_partition.cache_clear()
 
 
+def adamw_with_eps(build_optimizer, eps: float):
+    """FedNCA-ML's optimiser builder with AdamW's epsilon set to `eps`."""
+
+    def build(*args, **kwargs):
+        optimizer, scheduler = build_optimizer(*args, **kwargs)
+        for group in optimizer.param_groups:
+            group["eps"] = eps
+        return optimizer, scheduler
+
+    return build
+
+
 @contextlib.contextmanager
 def bench_options(options: dict):
     """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm,
@@ -526,11 +544,12 @@ def bench_options(options: dict):
     (`bench.first-moment-reset`: only its first moment); `bench.average-optimizer-state` ("both" or
     "second-moment", with fednca.keep-optimizer-state) has the server average the sites' kept AdamW state;
     `bench.moment-warm-start` sets every fresh AdamW's moments from one gradient pass over the round's batches
-    (`warm_start_adam`; for the bound, at each of its restarts)."""
+    (`warm_start_adam`; for the bound, at each of its restarts); `bench.adam-eps` sets AdamW's epsilon (1e-8), so
+    a fresh optimiser's first steps move weights with gradients far below it by less than the learning rate."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
-             "bench.moment-warm-start"}
+             "bench.moment-warm-start", "bench.adam-eps"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
@@ -543,6 +562,8 @@ def bench_options(options: dict):
         fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
     if options.get("bench.local-sgd"):
         client_tasks.fednca_optimizer = sgd_with_fednca_schedule
+    if "bench.adam-eps" in options:
+        client_tasks.fednca_optimizer = adamw_with_eps(original_optimizer, options["bench.adam-eps"])
     if "bench.width" in options:
         backbones.SmallCNN = functools.partial(original_cnn, width=options["bench.width"])
     if "bench.train-images" in options:
