@@ -22,8 +22,10 @@ loss, and the last epoch. The real validation images judge the rules; the test s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -48,6 +50,7 @@ def retrain(cfg: RunConfig, images: torch.Tensor, labels: torch.Tensor, threads:
     num_classes = int(labels.max()) + 1
     test = load_task_dataset(cfg)
     epochs: list[dict] = []
+    recording = contextlib.nullcontext()
     if by_epoch:
         sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
         real_val = np.concatenate([s.val_images for s in sites]), np.concatenate([s.val_labels for s in sites])
@@ -60,13 +63,10 @@ def retrain(cfg: RunConfig, images: torch.Tensor, labels: torch.Tensor, threads:
                            "test_accuracy": evaluate(model, test.test_images, test.test_labels, device=device)["accuracy"]})
             return accuracy, log_likelihood
 
-        classifier_module.holdout_score = recording_score
-    try:
+        recording = mock.patch.object(classifier_module, "holdout_score", recording_score)
+    with recording:
         model, stats = train_classifier(images.numpy(), labels.numpy(), num_classes, ClassifierRecipe.from_config(cfg),
                                         val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
-    finally:
-        if by_epoch:
-            classifier_module.holdout_score = score
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
     result = {"threads": threads, "accuracy": round(metrics["accuracy"], 4), "best_epoch": stats["best_epoch"],
               "train_loss": stats["train_loss"]}
