@@ -15,10 +15,12 @@ from bench.fednca_search import (
     hold_then_decay,
     momentum_step,
     optimizer_restarts,
+    pick_by_budget,
     table,
     recalibrated_batchnorm,
     validation_threshold,
     warm_start_adam,
+    warmup_then_cosine,
 )
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
@@ -69,6 +71,25 @@ def test_hold_then_decay_holds_the_peak_and_decays_over_the_last_share_only():
     factor = hold_then_decay(0.2)
     assert [factor(s, 10, 110) for s in (0, 9, 50, 90, 100, 109, 110)] == pytest.approx([0.1, 1.0, 1.0, 1.0, 0.5, 0.05, 0.0])
     assert hold_then_decay(1.0)(60, 10, 110) == pytest.approx(0.5)  # share 1: the default schedule
+
+
+def test_the_cosine_schedule_warms_up_as_the_linear_one_and_is_half_way_down_at_the_midpoint():
+    # 10 warm-up steps of 110: the cosine after warm-up is 1 at step 10, 0.5 at step 60, 0 at step 110.
+    assert [warmup_then_cosine(s, 10, 110) for s in (0, 9, 10, 60, 110)] == pytest.approx([0.1, 1.0, 1.0, 0.5, 0.0])
+    assert warmup_then_cosine(35, 10, 110) == pytest.approx((1 + np.cos(np.pi / 4)) / 2)
+
+
+def test_learning_rates_are_picked_per_budget_and_per_score_where_the_scores_disagree():
+    def cells(rounds, at_half, at_threshold):
+        return [{"rounds": rounds, "local_epochs": 1, "val": v, "val_thr": t} for v, t in zip(at_half, at_threshold)]
+
+    picks = pick_by_budget([
+        ("prox-0.1", "fedprox", cells(60, [0.8, 0.7, 0.1], [0.9, 0.7, 0.3])),  # means 0.533 / 0.633
+        ("prox-0.2", "fedprox", cells(60, [0.7, 0.8, 0.0], [0.8, 0.8, 0.4])),  # means 0.500 / 0.667
+        ("prox-short", "fedprox", cells(5, [0.9, 0.9, 0.9], [0.9, 0.9, 0.9])),  # another budget: its own pick
+        ("prox-partial", "fedprox", [cells(60, [1.0], [1.0])[0], None, None]),  # incomplete: never picked
+    ])
+    assert picks == {"60 x 1": {"fedprox": ("prox-0.1", "prox-0.2")}, "5 x 1": {"fedprox": ("prox-short", "prox-short")}}
 
 
 def test_width_and_train_images_options_apply_only_inside_the_block():
