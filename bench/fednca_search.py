@@ -207,6 +207,10 @@ TRIALS = [
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
+    # The ETF logit scale's starting value (10; learned from there) on the current backbone and budget.
+    *[(f"{method}-e1-r60-etf-scale{scale:g}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                       "bench.etf-scale": scale})
+      for scale in (3.0, 30.0) for method in ("fednca", "centralized")],
     # Each baseline's learning-rate grid again at the run budget (60 x 1) that FedNCA-ML's search chose: the 5 x 3
     # grid above picked SGD 0.1, its top end, so the 60 x 1 grid reaches above it.
     *[(f"{method}-e1-r60-lr{lr:g}", method, {"num-server-rounds": 60, "local-epochs": 1, "lr": lr})
@@ -581,17 +585,21 @@ def bench_options(options: dict):
     (`warm_start_adam`; for the bound, at each of its restarts); `bench.adam-eps` sets AdamW's epsilon (1e-8), so
     a fresh optimiser's first steps move weights with gradients far below it by less than the learning rate;
     `bench.server-adam-tau` sets FedAdam's tau (Reddi et al.'s 1e-3); `bench.cosine-decay` decays the lr along a
-    cosine instead of linearly after the warm-up."""
+    cosine instead of linearly after the warm-up; `bench.etf-scale` sets the learned ETF logit scale's initial
+    value (10)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
-             "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay"}
+             "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
+             "bench.etf-scale"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
     original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
-    original_train_local = client_tasks.train_local
+    original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
+    if "bench.etf-scale" in options:
+        fednca_model.ETFClassifier = functools.partial(original_etf_classifier, initial_scale=options["bench.etf-scale"])
     if options.get("bench.moment-warm-start"):
         client_tasks.train_local = warm_started_train_local
     if "bench.query-scale" in options:
@@ -618,7 +626,7 @@ def bench_options(options: dict):
         backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
         synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
         client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
-        client_tasks.train_local = original_train_local
+        client_tasks.train_local, fednca_model.ETFClassifier = original_train_local, original_etf_classifier
         clear_dataset_caches()
 
 

@@ -92,6 +92,14 @@ def test_learning_rates_are_picked_per_budget_and_per_score_where_the_scores_dis
     assert picks == {"60 x 1": {"fedprox": ("prox-0.1", "prox-0.2")}, "5 x 1": {"fedprox": ("prox-short", "prox-short")}}
 
 
+def test_the_etf_scale_option_sets_the_learned_scales_start_only_inside_the_block():
+    from fedskew.models import fednca as fednca_model
+
+    with bench_options({"bench.etf-scale": 3.0}):
+        assert fednca_model.ETFClassifier(torch.eye(3)).scale.item() == 3.0
+    assert fednca_model.ETFClassifier(torch.eye(3)).scale.item() == 10.0
+
+
 def test_width_and_train_images_options_apply_only_inside_the_block():
     cfg = RunConfig.from_run_config({"dataset": "shapes-multi", "image-size": 16, "mosaic-grid": 0, "partition": "iid"})
     with bench_options({"bench.width": 8, "bench.train-images": 300}):
