@@ -510,17 +510,22 @@ def group_norm_block(in_channels: int, out_channels: int, stride: int = 1) -> to
     )
 
 
-def hold_then_decay(decay_share: float):
-    """The FedNCA-ML lr multiplier with the peak held after the warm-up and the linear decay to 0 over only
-    the last `decay_share` of the post-warm-up steps (1.0 is the default schedule)."""
+def after_warmup(decay: Callable[[int, int], float]):
+    """A FedNCA-ML lr multiplier with the default schedule's warm-up ((s+1)/warmup) and `decay(s, n)` after it,
+    s the step counted from the warm-up's end and n the steps after the warm-up; 0 from `total_steps` on."""
     def factor(global_step: int, warmup_steps: int, total_steps: int) -> float:
-        decay_steps = max(1, round(decay_share * (total_steps - warmup_steps)))
         if global_step >= total_steps:
             return 0.0
         if global_step < warmup_steps:
             return (global_step + 1) / warmup_steps
-        return min(1.0, (total_steps - global_step) / decay_steps)
+        return decay(global_step - warmup_steps, total_steps - warmup_steps)
     return factor
+
+
+def hold_then_decay(decay_share: float):
+    """The FedNCA-ML lr multiplier with the peak held after the warm-up and the linear decay to 0 over only
+    the last `decay_share` of the post-warm-up steps (1.0 is the default schedule)."""
+    return after_warmup(lambda step, steps: min(1.0, (steps - step) / max(1, round(decay_share * steps))))
 
 
 def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
@@ -533,14 +538,8 @@ def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
 
 
-def warmup_then_cosine(global_step: int, warmup_steps: int, total_steps: int) -> float:
-    """`bench.cosine-decay`: the FedNCA-ML lr multiplier with the same warm-up and a cosine decay to 0 in place
-    of the linear one."""
-    if global_step >= total_steps:
-        return 0.0
-    if global_step < warmup_steps:
-        return (global_step + 1) / warmup_steps
-    return 0.5 * (1 + math.cos(math.pi * (global_step - warmup_steps) / (total_steps - warmup_steps)))
+# `bench.cosine-decay`: the same warm-up, then a cosine decay to 0 in place of the linear one.
+warmup_then_cosine = after_warmup(lambda step, steps: 0.5 * (1 + math.cos(math.pi * step / steps)))
 
 
 def scaled_query_forward(scale: float):
