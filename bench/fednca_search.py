@@ -595,6 +595,9 @@ def bench_options(options: dict):
              "bench.etf-scale"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
+    if "bench.decay-share" in options and options.get("bench.cosine-decay"):
+        raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
+                         "warm-up; give one of them")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
     original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward

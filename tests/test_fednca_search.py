@@ -100,6 +100,12 @@ def test_the_etf_scale_option_sets_the_learned_scales_start_only_inside_the_bloc
     assert fednca_model.ETFClassifier(torch.eye(3)).scale.item() == 10.0
 
 
+def test_two_decay_shapes_at_once_are_refused_rather_than_one_silently_winning():
+    with pytest.raises(ValueError, match="bench.decay-share and bench.cosine-decay"):
+        with bench_options({"bench.decay-share": 0.2, "bench.cosine-decay": True}):
+            pass
+
+
 def test_width_and_train_images_options_apply_only_inside_the_block():
     cfg = RunConfig.from_run_config({"dataset": "shapes-multi", "image-size": 16, "mosaic-grid": 0, "partition": "iid"})
     with bench_options({"bench.width": 8, "bench.train-images": 300}):
