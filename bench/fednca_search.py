@@ -177,6 +177,32 @@ TRIALS = [
                                                  "bench.average-optimizer-state": "second-moment"}),
     ("centralized-e1-r60-adam-m-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                          "bench.optimizer-reset-steps": 6, "bench.first-moment-reset": True}),
+    # The first moment zeroed with its bias correction restarted (the trials above kept the step count, so their
+    # first steps after the zeroing were about 0.3x the scheduled lr): is the second moment's memory what the
+    # bound needs, and can the sites share it?
+    ("centralized-e1-r60-adam-m-reset6-bc", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                            "bench.optimizer-reset-steps": 6, "bench.first-moment-reset": True,
+                                                            "bench.first-moment-bias-restart": True}),
+    ("fednca-e1-r60-adam-v-averaged-bc", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                    "fednca.keep-optimizer-state": True,
+                                                    "bench.average-optimizer-state": "second-moment",
+                                                    "bench.first-moment-bias-restart": True}),
+    # With the shared second moment a round is close to 6 large-batch steps (10 sites' batches averaged), where a
+    # fresh AdamW's sign-like steps had moved every weight by about the lr: larger learning rates.
+    *[(f"fednca-e1-r60-adam-v-averaged-bc-lr{lr:g}", "fednca",
+       {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": lr, "fednca.keep-optimizer-state": True,
+        "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True})
+      for lr in (0.01, 0.03)],
+    # beta2 0.98 remembers a gradient for ~50 steps: 8 rounds of 6, so the first rounds' large gradients hold the shared
+    # second moment up (and the steps down) for much of a 360-step run, where the bound forgets them in one epoch.
+    *[(f"fednca-e1-r60-adam-v-averaged-bc-beta2-{beta2:g}", "fednca",
+       {"num-server-rounds": 60, "local-epochs": 1, "fednca.beta2": beta2, "fednca.keep-optimizer-state": True,
+        "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True})
+      for beta2 in (0.9, 0.8)],
+    ("fednca-e1-r60-adam-v-averaged-bc-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift",
+                                                          "fednca.keep-optimizer-state": True,
+                                                          "bench.average-optimizer-state": "second-moment",
+                                                          "bench.first-moment-bias-restart": True}),
     # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
@@ -293,6 +319,48 @@ def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_momen
     return restart
 
 
+class FirstMomentBiasRestart:
+    """Restart AdamW's first-moment bias correction with its first moment while the step count goes on for
+    the second. Zeroing exp_avg but keeping the step (`first_moment_only`, `"second-moment"`) leaves the first
+    steps after it divided by 1 - beta1^t = 1 instead of 1 - beta1^j (j steps since the zeroing): about 0.3x
+    the scheduled step over a 6-step window, a smaller learning rate and not only a shorter memory. Each step's
+    lr is scaled by (1 - beta1^t) / (1 - beta1^j) and put back after it (AdamW's decoupled weight decay, lr x wd
+    ~ 1e-5 a step, scales with it); a fresh AdamW (t = j) gets factor 1. `restart()` sets j back to 0."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.steps, self.saved_lrs = 0, []
+        optimizer.register_step_pre_hook(self.scale)
+        optimizer.register_step_post_hook(self.restore)
+
+    def restart(self) -> None:
+        self.steps = 0
+
+    def scale(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        self.steps += 1
+        self.saved_lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            beta1 = group["betas"][0]
+            counts = [float(optimizer.state[p]["step"]) for p in group["params"] if "step" in optimizer.state.get(p, {})]
+            t = (max(counts) if counts else 0.0) + 1
+            group["lr"] *= (1 - beta1**t) / (1 - beta1**self.steps)
+
+    def restore(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        for group, lr in zip(optimizer.param_groups, self.saved_lrs):
+            group["lr"] = lr
+
+
+def first_moment_bias_restarted(build):
+    """`local_optimisation` whose AdamW restarts its first moment's bias correction at the round's first step
+    (the sites of bench.first-moment-bias-restart, whose kept first moment the server zeroed)."""
+
+    def build_with_restart(*args, **kwargs):
+        optimizer, scheduler, loss_fn = build(*args, **kwargs)
+        FirstMomentBiasRestart(optimizer)
+        return optimizer, scheduler, loss_fn
+
+    return build_with_restart
+
+
 def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
                     device: torch.device, limit: int | None = None) -> None:
     """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
@@ -345,12 +413,14 @@ def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[di
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
-                moment_warm_start: bool = False, server_adam_tau: float = 1e-3) -> dict:
+                moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
+                first_moment_bias_restart: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
     (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
-    moment only); `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
+    moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
+    `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
     replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
     so all sites start the next round from the same moments."""
     device = torch.device("cpu")
@@ -364,6 +434,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         batches = (batch for _ in itertools.count() for batch in loader)
         refill = (functools.partial(warm_start_adam, optimizer, model, batches, loss_fn, device, optimizer_reset_steps)
                   if moment_warm_start else None)
+        if first_moment_bias_restart:
+            refill = FirstMomentBiasRestart(optimizer).restart
         before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset, refill)
                        if optimizer_reset_steps else None)
         for _ in range(cfg.num_server_rounds):
@@ -587,14 +659,22 @@ def bench_options(options: dict):
     a fresh optimiser's first steps move weights with gradients far below it by less than the learning rate;
     `bench.server-adam-tau` sets FedAdam's tau (Reddi et al.'s 1e-3); `bench.cosine-decay` decays the lr along a
     cosine instead of linearly after the warm-up; `bench.etf-scale` sets the learned ETF logit scale's initial
-    value (10)."""
+    value (10); `bench.first-moment-bias-restart` restarts AdamW's first-moment bias correction where its first
+    moment is zeroed and its step count kept (with `bench.first-moment-reset` in the bound, with
+    `bench.average-optimizer-state = "second-moment"` at the sites; `FirstMomentBiasRestart`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
-             "bench.etf-scale"}
+             "bench.etf-scale", "bench.first-moment-bias-restart"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
+    if options.get("bench.first-moment-bias-restart") and not (
+            options.get("bench.first-moment-reset") and not options.get("bench.moment-warm-start")
+            or options.get("bench.average-optimizer-state") == "second-moment"):
+        raise ValueError("bench.first-moment-bias-restart restarts the bias correction of a zeroed first moment: give it with "
+                         "bench.first-moment-reset (without bench.moment-warm-start) or with "
+                         "bench.average-optimizer-state = 'second-moment'")
     if "bench.decay-share" in options and options.get("bench.cosine-decay"):
         raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
                          "warm-up; give one of them")
@@ -602,6 +682,9 @@ def bench_options(options: dict):
     original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
     original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
+    original_local_optimisation = client_tasks.local_optimisation
+    if options.get("bench.average-optimizer-state") and options.get("bench.first-moment-bias-restart"):
+        client_tasks.local_optimisation = first_moment_bias_restarted(original_local_optimisation)
     if "bench.etf-scale" in options:
         fednca_model.ETFClassifier = functools.partial(original_etf_classifier, initial_scale=options["bench.etf-scale"])
     if options.get("bench.moment-warm-start"):
@@ -631,6 +714,7 @@ def bench_options(options: dict):
         synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
         client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
         client_tasks.train_local, fednca_model.ETFClassifier = original_train_local, original_etf_classifier
+        client_tasks.local_optimisation = original_local_optimisation
         clear_dataset_caches()
 
 
@@ -653,7 +737,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
                         options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
-                        options.get("bench.server-adam-tau", 1e-3))
+                        options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False))
     return {**diagnose(model, sites, data), **trace}
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.fednca_search import (
+    FirstMomentBiasRestart,
     bench_options,
     federated_average,
     hold_then_decay,
@@ -22,6 +23,7 @@ from bench.fednca_search import (
     warm_start_adam,
     warmup_then_cosine,
 )
+from fedskew import client_tasks
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
 from fedskew.models import backbones
@@ -144,6 +146,41 @@ def test_optimizer_restarts_forget_adams_state_every_n_steps_like_a_fresh_site_o
     m_hat, v_hat = (0.9 * 0.1 + 0.1 * 0.1) / (1 - 0.9**2), (0.999 * 0.001 + 0.001 * 0.01) / (1 - 0.999**2)
     assert moves[1] == pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-4)
     assert optimizer.state[weight]["step"].item() == 1  # the third step was the first after the restart
+
+
+def test_a_zeroed_first_moment_restarts_its_bias_correction_while_the_second_keeps_its_step_count():
+    # Step count 100 and v = 4 kept, m zeroed. With the restart the first step's m_hat is g itself
+    # (0.1 g / (1 - 0.9)), and v_hat = (0.98 * 4 + 0.02 g^2) / (1 - 0.98^101): the move is lr * g / sqrt(v_hat).
+    # Plain AdamW divides m by 1 - 0.9^101 = 1 and moves 0.1x that. The lr is back after the step; a fresh
+    # AdamW (no state) moves lr * sign(g), as without the hook.
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer.state[weight] = {"step": torch.tensor(100.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.tensor([4.0])}
+    restart = FirstMomentBiasRestart(optimizer)
+    weight.grad = torch.tensor([0.5])
+    optimizer.step()
+    v_hat = (0.98 * 4 + 0.02 * 0.25) / (1 - 0.98**101)
+    assert -weight.item() == pytest.approx(0.1 * 0.5 / v_hat**0.5, rel=1e-5)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    # Second step, same gradient: m = 0.9 * 0.05 + 0.05, corrected by 1 - 0.9^2.
+    before, v_hat = weight.item(), (0.98 * (0.98 * 4 + 0.005) + 0.005) / (1 - 0.98**102)
+    optimizer.step()
+    assert before - weight.item() == pytest.approx(0.1 * (0.095 / 0.19) / v_hat**0.5, rel=1e-5)
+    optimizer.state.clear()
+    restart.restart()
+    before = weight.item()
+    optimizer.step()
+    assert before - weight.item() == pytest.approx(0.1, rel=1e-5)
+
+
+def test_the_bias_restart_is_refused_where_no_first_moment_is_zeroed_and_patches_the_sites_only_inside_the_block():
+    with pytest.raises(ValueError, match="bench.first-moment-bias-restart"):
+        with bench_options({"bench.first-moment-bias-restart": True}):
+            pass
+    original = client_tasks.local_optimisation
+    with bench_options({"bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True}):
+        assert client_tasks.local_optimisation is not original
+    assert client_tasks.local_optimisation is original
 
 
 def test_warm_started_adam_takes_its_first_step_as_if_it_had_seen_the_batches_and_leaves_the_model_alone():
