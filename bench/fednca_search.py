@@ -74,6 +74,10 @@ DATASETS = {
     # The size of the multi-label report that found the defaults fitted to 8 px digits (28 px digits, 2 x 2).
     "deformed-digits-mosaic-56": {"dataset": "deformed-digits", "image-size": 28, "mosaic-grid": 2},  # 56 px grey
 }
+# The sites' second moment and step count averaged by the server each round, their first moment zeroed with its
+# bias correction restarted (the base of the shared-second-moment trials).
+SHARED_SECOND_MOMENT = {"num-server-rounds": 60, "local-epochs": 1, "fednca.keep-optimizer-state": True,
+                        "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True}
 DEFAULT_TRIAL = "fednca-lr3e-3"  # FedNCA-ML at its current defaults
 # (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid.
 TRIALS = [
@@ -183,26 +187,16 @@ TRIALS = [
     ("centralized-e1-r60-adam-m-reset6-bc", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                             "bench.optimizer-reset-steps": 6, "bench.first-moment-reset": True,
                                                             "bench.first-moment-bias-restart": True}),
-    ("fednca-e1-r60-adam-v-averaged-bc", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
-                                                    "fednca.keep-optimizer-state": True,
-                                                    "bench.average-optimizer-state": "second-moment",
-                                                    "bench.first-moment-bias-restart": True}),
+    ("fednca-e1-r60-adam-v-averaged-bc", "fednca", SHARED_SECOND_MOMENT),
     # With the shared second moment a round is close to 6 large-batch steps (10 sites' batches averaged), where a
     # fresh AdamW's sign-like steps had moved every weight by about the lr: larger learning rates.
-    *[(f"fednca-e1-r60-adam-v-averaged-bc-lr{lr:g}", "fednca",
-       {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": lr, "fednca.keep-optimizer-state": True,
-        "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True})
+    *[(f"fednca-e1-r60-adam-v-averaged-bc-lr{lr:g}", "fednca", {**SHARED_SECOND_MOMENT, "fednca.lr": lr})
       for lr in (0.01, 0.03)],
     # beta2 0.98 remembers a gradient for ~50 steps: 8 rounds of 6, so the first rounds' large gradients hold the shared
     # second moment up (and the steps down) for much of a 360-step run, where the bound forgets them in one epoch.
-    *[(f"fednca-e1-r60-adam-v-averaged-bc-beta2-{beta2:g}", "fednca",
-       {"num-server-rounds": 60, "local-epochs": 1, "fednca.beta2": beta2, "fednca.keep-optimizer-state": True,
-        "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True})
+    *[(f"fednca-e1-r60-adam-v-averaged-bc-beta2-{beta2:g}", "fednca", {**SHARED_SECOND_MOMENT, "fednca.beta2": beta2})
       for beta2 in (0.9, 0.8)],
-    ("fednca-e1-r60-adam-v-averaged-bc-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift",
-                                                          "fednca.keep-optimizer-state": True,
-                                                          "bench.average-optimizer-state": "second-moment",
-                                                          "bench.first-moment-bias-restart": True}),
+    ("fednca-e1-r60-adam-v-averaged-bc-shift", "fednca", {**SHARED_SECOND_MOMENT, "augment": "shift"}),
     # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
@@ -683,7 +677,7 @@ def bench_options(options: dict):
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
     original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
     original_local_optimisation = client_tasks.local_optimisation
-    if options.get("bench.average-optimizer-state") and options.get("bench.first-moment-bias-restart"):
+    if options.get("bench.average-optimizer-state") == "second-moment" and options.get("bench.first-moment-bias-restart"):
         client_tasks.local_optimisation = first_moment_bias_restarted(original_local_optimisation)
     if "bench.etf-scale" in options:
         fednca_model.ETFClassifier = functools.partial(original_etf_classifier, initial_scale=options["bench.etf-scale"])
