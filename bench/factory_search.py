@@ -73,12 +73,19 @@ NO_MODULES = "no-modules.json"  # a site's cache entry when it has no class to t
 GENERATOR_KEYS = ("generator", "generator_channels", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
 
 
+def library_key(cfg: RunConfig, num_sites: int) -> str:
+    """The JSON of everything that shapes a search's generator library: its cache directory's name is the hash."""
+    shaping = {k: getattr(cfg.factory, k) for k in GENERATOR_KEYS}
+    if cfg.factory.generator_lr:  # only when set, so libraries cached before the key existed keep their names
+        shaping["generator_lr"] = cfg.factory.generator_lr
+    return json.dumps({"data": [cfg.dataset, cfg.image_size, cfg.partition, cfg.classes_per_site, cfg.alpha, cfg.val_fraction],
+                       "seed": cfg.seed, "sites": num_sites, **shaping}, sort_keys=True)  # fmt: skip
+
+
 def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, Path, float]:
     """Every site's generators (trained, or read from the cache) as one library, its cache directory, and
     the seconds spent training."""
-    shaping = {k: getattr(cfg.factory, k) for k in GENERATOR_KEYS}
-    key = json.dumps({"data": [cfg.dataset, cfg.image_size, cfg.partition, cfg.classes_per_site, cfg.alpha, cfg.val_fraction],
-                      "seed": cfg.seed, "sites": len(sites), **shaping}, sort_keys=True)  # fmt: skip
+    key = library_key(cfg, len(sites))
     directory = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (directory / "manifest.json").is_file():
         return read_library(directory), directory, 0.0
@@ -171,15 +178,27 @@ def intensity_report(synthetic_images, synthetic_labels, real_images, real_label
     return rows
 
 
-def centralised_reference(cfg: RunConfig, sites: list[SiteData], test, device) -> tuple[torch.nn.Module, dict]:
-    """The factory's classifier recipe trained on the pooled real training images of the same sites."""
+def centralised_reference(cfg: RunConfig, sites: list[SiteData], test, device, epochs: int = 0) -> tuple[torch.nn.Module, dict]:
+    """The factory's classifier recipe trained on the pooled real training images of the same sites, for
+    `epochs` (0: the recipe's own factory.classifier-epochs)."""
     images = np.concatenate([s.train_images for s in sites])
     labels = np.concatenate([s.train_labels for s in sites])
+    recipe = ClassifierRecipe.from_config(cfg)
+    recipe = dataclasses.replace(recipe, epochs=epochs or recipe.epochs)
     start = time.perf_counter()
-    model, _ = train_classifier(images, labels, sites[0].num_classes, ClassifierRecipe.from_config(cfg),
+    model, _ = train_classifier(images, labels, sites[0].num_classes, recipe,
                                 val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
     return model, {"accuracy": metrics["accuracy"], "seconds": time.perf_counter() - start}
+
+
+def centralised_bound(cfg: RunConfig, num_sites: int, epochs: int) -> dict:
+    """The centralised bound alone (no generator trained): its test accuracy, epochs and seconds for cfg's seed."""
+    sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+    _, metrics = centralised_reference(cfg, sites, load_task_dataset(cfg), pick_device(cfg.device), epochs)
+    bound = {"seed": cfg.seed, "epochs": epochs or cfg.factory.classifier_epochs, **metrics}
+    print(f"centralised bound, seed {cfg.seed}, {bound['epochs']} epochs: accuracy {bound['accuracy']:.4f}", flush=True)
+    return bound
 
 
 def site_lacking_images(cfg: RunConfig, site: SiteData, library: Library, directory: Path, device: torch.device) -> SyntheticSet | None:
@@ -226,15 +245,17 @@ def summed_histograms(sites: list[SiteData], num_classes: int) -> np.ndarray:
     return sum(class_histograms(s.train_images, s.train_labels, num_classes) for s in sites)
 
 
-def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False) -> dict:
+def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False,
+                bound_epochs: int = 0) -> dict:
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
     library, library_dir, generator_seconds = site_library(cfg, sites, out / "generators", device)
     library, library_dir = uploaded_library(cfg, library, library_dir)
-    ref_key = (cfg.seed, cfg.factory.classifier, cfg.factory.classifier_epochs, cfg.factory.classifier_patience, cfg.factory.augment)
+    ref_key = (cfg.seed, cfg.factory.classifier, bound_epochs or cfg.factory.classifier_epochs, cfg.factory.classifier_patience,
+               cfg.factory.augment)
     if ref_key not in references:
-        references[ref_key] = centralised_reference(cfg, sites, test, device)
+        references[ref_key] = centralised_reference(cfg, sites, test, device, bound_epochs)
     reference, reference_metrics = references[ref_key]
     real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
     if cfg.method == "factory-p2p":  # the Product of Experts (a factory-p2p run's final round) instead of the server's classifier
@@ -381,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--channels", type=int, default=1, help="image channels for --step-cost")
     parser.add_argument("--across", default="", help="instead of a search: comma-separated result folders to "
                         "tabulate variant by dataset (writes OUT/across-datasets.md)")
+    parser.add_argument("--bound-epochs", type=int, default=0, help="epochs of the centralised bound on the pooled "
+                        "real images (0: the classifier's own factory.classifier-epochs; the real set is smaller than "
+                        "the synthetic one, so at equal epochs the bound takes fewer steps)")
+    parser.add_argument("--bound-only", action="store_true", help="instead of a search: train only the centralised "
+                        "bound of --base per seed (no generators; writes OUT/bound.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -396,13 +422,18 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "across-datasets.md").write_text(table)
         print(table)
         return
+    base = {**SILOS, "dataset": args.dataset, "image-size": args.image_size, **parse_run_config(args.base)}
+    if args.bound_only:
+        bounds = [centralised_bound(RunConfig.from_run_config({"method": "factory", **base, "seed": seed}), args.num_sites,
+                                    args.bound_epochs) for seed in (int(s) for s in args.seeds.split(","))]  # fmt: skip
+        (args.out / "bound.json").write_text(json.dumps(bounds, indent=1) + "\n")
+        return
     if not args.variant:
-        raise SystemExit("--variant is required (or --step-cost)")
+        raise SystemExit("--variant is required (or --step-cost, --across, --bound-only)")
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["variant"], r["seed"]) for r in results}
     references: dict = {}
-    base = {**SILOS, "dataset": args.dataset, "image-size": args.image_size, **parse_run_config(args.base)}
     for seed in (int(s) for s in args.seeds.split(",")):
         for name, overlay in map(parse_variant, args.variant):
             if (name, seed) in done:
@@ -410,8 +441,9 @@ def main(argv: list[str] | None = None) -> None:
             settings = {"method": "factory", **base, "seed": seed, **overlay}
             match_experts = bool(settings.pop("bench.match-experts", False))
             cfg = RunConfig.from_run_config(settings)
-            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts)
+            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs)
             result["run_config"] = {**base, **overlay}
+            result["centralised_epochs"] = args.bound_epochs or cfg.factory.classifier_epochs
             results.append(result)
             path.write_text(json.dumps(results, indent=1) + "\n")
             (args.out / "results.md").write_text(summary_table(results))

@@ -49,13 +49,13 @@ def flat_colours(count: int, side: int, seed: int) -> np.ndarray:
     return np.broadcast_to(colours, (count, 3, side, side)).astype(np.float32).copy()
 
 
-def probe(class_images: np.ndarray, side: int, steps: int, channels: int, p_mean: float | None,
+def probe(class_images: np.ndarray, side: int, steps: int, channels: int, overrides: dict[str, float],
           seed: int) -> tuple[np.ndarray, float]:
     """(64 synthetic images, training seconds) of the preset generator widened to `channels`, trained `steps` steps,
-    its training noise levels centred on exp(`p_mean`) (None: the preset's)."""
-    config = dataclasses.replace(cpu_preset(side), img_channels=class_images.shape[1], model_channels=channels, seed=seed)
-    if p_mean is not None:
-        config = dataclasses.replace(config, P_mean=p_mean)
+    with the GeneratorConfig fields in `overrides` (P_mean: its training noise levels centred on exp(P_mean);
+    ref_lr: its reference learning rate) replaced."""
+    config = dataclasses.replace(cpu_preset(side), img_channels=class_images.shape[1], model_channels=channels, seed=seed,
+                                 **overrides)
     config = budgeted_for_class(config, len(class_images), steps * config.batch_size)
     start = time.perf_counter()
     net, _ = train_generator(class_images, None, config, progress=None)
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--channels", default="16", help="comma-separated first-level UNet channels")
     parser.add_argument("--p-mean", default="", help="comma-separated log-sigma centres of the training noise "
                         "(EDM2's P_mean; empty: the preset's); higher spends more steps on coarse structure")
+    parser.add_argument("--ref-lr", default="", help="comma-separated reference learning rates (empty: the preset's "
+                        "0.01); the lr ramps up to it and decays as 1/sqrt(t) after t_ref as in EDM2")
     parser.add_argument("--grey", action="store_true", help="average the colour channels first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
@@ -93,18 +95,21 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--class-id {args.class_id}: {len(class_images)} training images in {args.dataset}; need >= 2")
     features = None if real is None else classifier_features(
         real.train_images, real.train_labels, int(real.train_labels.max()) + 1, args.seed, device)
-    p_means = [float(m) for m in args.p_mean.split(",")] if args.p_mean else [None]
+    swept = {field: [float(v) for v in values.split(",")] for field, values in (("P_mean", args.p_mean), ("ref_lr", args.ref_lr))
+             if values}
+    override_sets = [dict(zip(swept, values)) for values in itertools.product(*swept.values())]
+    preset = cpu_preset(args.image_size)
     args.out.mkdir(parents=True, exist_ok=True)
     for steps in (int(s) for s in args.steps.split(",")):
-        for channels, p_mean in itertools.product((int(c) for c in args.channels.split(",")), p_means):
-            synthetic, seconds = probe(class_images, args.image_size, steps, channels, p_mean, args.seed)
-            label = (f"{name}-{steps}steps-{channels}ch" + ("" if p_mean is None else f"-pmean{p_mean:g}")
-                     + ("-grey" if args.grey else ""))
+        for channels, overrides in itertools.product((int(c) for c in args.channels.split(",")), override_sets):
+            synthetic, seconds = probe(class_images, args.image_size, steps, channels, overrides, args.seed)
+            label = (f"{name}-{steps}steps-{channels}ch" + ("" if "P_mean" not in overrides else f"-pmean{overrides['P_mean']:g}")
+                     + ("" if "ref_lr" not in overrides else f"-lr{overrides['ref_lr']:g}") + ("-grey" if args.grey else ""))
             grid = np.concatenate([tile(synthetic, columns=8), tile(class_images[:SAMPLES], columns=8)], axis=1)
             plt.imsave(args.out / f"{label}.png", grid.clip(0, 1), cmap="gray", vmin=0, vmax=1)
             record = {"probe": label, "dataset": args.dataset, "image_size": args.image_size, "class_id": args.class_id,
                       "grey": args.grey, "steps": steps, "channels": channels,
-                      "P_mean": cpu_preset(args.image_size).P_mean if p_mean is None else p_mean, "train_seconds": round(seconds, 1),
+                      "P_mean": overrides.get("P_mean", preset.P_mean), "ref_lr": overrides.get("ref_lr", preset.ref_lr), "train_seconds": round(seconds, 1),
                       "within_image_std": {"synthetic": float(synthetic.std(axis=(2, 3)).mean()),
                                            "real": float(class_images.std(axis=(2, 3)).mean())}}
             if features is not None:

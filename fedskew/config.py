@@ -129,6 +129,10 @@ class FactorySection(_Section):
         "alike (0 = the preset's: cpu 16, gpu-32px 128). Textured colour images need more than 16; cost grows "
         "about with its square."
     )
+    generator_lr: float = Field(
+        0.0, ge=0.0, le=1.0, description="Each generator's reference learning rate, reached after the ramp-up and "
+        "decayed as 1/sqrt(t) after t_ref, as in EDM2 (0 = the preset's: 0.01 for both)."
+    )
     generator_images: int = Field(
         0, ge=0, le=10_000_000_000, description="Training budget per generator in images seen, whatever batch the "
         "class size gives (0 = the preset's: cpu 25,600 at 8 px, 12,800 more per extra UNet level at larger "

@@ -11,8 +11,9 @@ import torch
 
 from bench import factory_search
 from bench.compare import parse_run_config
-from bench.factory_search import main, summary_table
+from bench.factory_search import main, summary_table, train_classifier
 from fedskew.config import RunConfig
+from fedskew.data.sites import simulated_site
 
 TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
         "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 factory.p2p-epochs=2 method='factory-p2p'")  # fmt: skip
@@ -119,3 +120,40 @@ def test_a_set_max_memorization_leaves_out_what_the_sites_would_withhold(tmp_pat
     assert "site 1: site refuses to upload" in capsys.readouterr().out
     # unset, the search (like a simulation) uploads every generator and caches next to the library
     assert factory_search.uploaded_library(RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "iid"}), library, directory) == (library, directory)
+
+
+def test_the_bound_trains_its_own_epochs_when_asked(search, monkeypatch):
+    out, results = search
+    assert results["p2p"]["centralised_epochs"] == 2  # the classifier's own factory.classifier-epochs
+    trained = []
+
+    def recording(images, labels, num_classes, recipe, **kwargs):
+        trained.append((len(images), recipe.epochs))
+        return train_classifier(images, labels, num_classes, recipe, **kwargs)
+
+    monkeypatch.setattr(factory_search, "train_classifier", recording)
+    main(["--dataset", "digits", "--num-sites", "3", "--seeds", "0", "--base", TINY, "--variant", "p2p-bound-3:",
+          "--bound-epochs", "3", "--out", str(out)])  # fmt: skip
+    pooled = sum(len(site.train_images) for site in (simulated_site(RunConfig.from_run_config(
+        {**factory_search.SILOS, **parse_run_config(TINY), "seed": 0}), k, 3) for k in range(3)))
+    assert (pooled, 3) in trained  # the bound: the sites' pooled real images, 3 epochs
+    record = next(r for r in json.loads((out / "results.json").read_text()) if r["variant"] == "p2p-bound-3")
+    assert record["centralised_epochs"] == 3
+
+
+def test_a_generator_lr_left_at_its_default_keeps_the_cache_name_of_earlier_searches():
+    def key_of(overlay):
+        return factory_search.library_key(RunConfig.from_run_config({**factory_search.SILOS, "method": "factory", **overlay}), 10)
+
+    assert key_of({}) == key_of({"factory.generator-lr": 0.0})
+    assert "generator_lr" not in json.loads(key_of({}))
+    assert json.loads(key_of({"factory.generator-lr": 0.04}))["generator_lr"] == 0.04
+
+
+def test_the_bound_alone_trains_no_generator(tmp_path, monkeypatch):
+    monkeypatch.setattr(factory_search, "site_library", lambda *a, **k: pytest.fail("a generator library was built"))
+    main(["--dataset", "digits", "--num-sites", "3", "--seeds", "0,1", "--base", TINY, "--bound-only", "--bound-epochs", "1",
+          "--out", str(tmp_path)])  # fmt: skip
+    bounds = json.loads((tmp_path / "bound.json").read_text())
+    assert [(b["seed"], b["epochs"]) for b in bounds] == [(0, 1), (1, 1)]
+    assert all(0.0 <= b["accuracy"] <= 1.0 for b in bounds)

@@ -67,3 +67,14 @@ def test_generator_width_is_the_presets_unless_set(preset, channels, expected):
     # Every conv's weights grow with in x out channels: the count scales as the width's square, within the
     # few per-channel terms (gains, biases) that grow linearly.
     assert weights / narrow_weights == pytest.approx((expected / narrow.model_channels) ** 2, rel=0.05)
+
+
+@pytest.mark.parametrize(("preset", "lr", "expected"), [("cpu", 0.0, 0.01), ("cpu", 0.04, 0.04), ("gpu-32px", 0.0, 0.01), ("gpu-32px", 0.02, 0.02)])
+def test_generator_lr_is_the_presets_unless_set(preset, lr, expected):
+    factory = RunConfig.from_run_config({"factory.generator": preset, "factory.generator-lr": lr}).factory
+    config = generator_config(factory, (3, 32, 32), 0, 180, 0)
+    default = generator_config(RunConfig.from_run_config({"factory.generator": preset}).factory, (3, 32, 32), 0, 180, 0)
+    assert config.ref_lr == expected
+    assert dataclasses.replace(config, ref_lr=default.ref_lr) == default  # nothing else changes
+    # The schedule reaches the set lr: after the ramp-up and before the decay it is exactly ref_lr.
+    assert learning_rate(config.t_rampup, config.ref_lr, config.t_ref, config.t_rampup) == pytest.approx(expected)

@@ -66,7 +66,8 @@ class EpsilonRefusal(UploadRefusal):
 def generator_config(
     factory: FactorySection, image_shape: tuple[int, int, int], label_dim: int, n_images: int, seed: int
 ) -> GeneratorConfig:
-    """The preset adapted to the data: image size and channels, its width (factory.generator-channels),
+    """The preset adapted to the data: image size and channels, its width (factory.generator-channels) and
+    reference lr (factory.generator-lr),
     attention at the same levels, the paper's batch rule for the class size, and a budget in images seen
     (factory.generator-images, or factory.generator-steps x the batch) whatever the batch; t_ref and the
     ramp-up scale with the budget (as EDM2 does for short runs), and the ramp-up ends before the decay so
@@ -86,6 +87,7 @@ def generator_config(
         img_channels=channels,
         label_dim=label_dim,
         model_channels=factory.generator_channels or preset.model_channels,
+        ref_lr=factory.generator_lr or preset.ref_lr,
         attn_resolutions=attn,
         total_images=max(total, preset.batch_size),
         t_ref=max(1, round(preset.t_ref * scale)),
