@@ -99,10 +99,15 @@ def link(tmp_path_factory, pki, app_index):
         yield link
 
 
-def running_sites(link, pki, home, data_dirs):
+def with_pythonpath(env, folder):
+    """`env` with `folder` first on PYTHONPATH, so its sitecustomize runs in every process of a SuperNode."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / folder), os.environ.get("PYTHONPATH", "")])}
+
+
+def running_sites(link, pki, home, data_dirs, env=THREADS):
     return connected([
         SuperNode(link, home / f"node-{k}", {"data-dir": str(d), "site-id": k, "num-sites": len(data_dirs)},
-                  pki / "keys" / f"site-{k}", env=THREADS, trusted_entities=pki / "app-key" / "trusted-entities.yaml")
+                  pki / "keys" / f"site-{k}", env=env, trusted_entities=pki / "app-key" / "trusted-entities.yaml")
         for k, d in enumerate(data_dirs)
     ])  # fmt: skip
 
@@ -167,9 +172,10 @@ def test_a_fednca_run_over_tls_completes_without_a_killed_site_and_a_site_with_b
     (broken / "labels.csv").write_text("file,labels\nscan-001.png,seven\n")
     results = tmp_path / "results"
     data_dirs = [sites / "site-0", sites / "site-1", sites / "site-2", broken]
-    with running_sites(link, pki, tmp_path, data_dirs) as nodes:
+    # The sites heartbeat every 10 s (tests/short_heartbeat), so the killed site lapses after about 20 s, not 60.
+    with running_sites(link, pki, tmp_path, data_dirs, env=with_pythonpath(THREADS, "short_heartbeat")) as nodes:
         # val-fraction 0: train messages only (each message starts a ClientApp process: ~5 CPU-s). The killed
-        # site's round-2 message ends with an "unavailable" error once its heartbeat lapses (about a minute).
+        # site's round-2 message ends with an "unavailable" error once its heartbeat lapses.
         run_id = link.submit({**TINY, "method": "fednca", "dataset": f"npz:{sites / 'own.npz'}", "mosaic-grid": 0,
                               "labels": "auto", "val-fraction": 0.0, "min-available-sites": 2,
                               "round-timeout": 150.0, "results-dir": str(results),
@@ -218,7 +224,7 @@ def test_a_tiny_factory_run_over_tls_keeps_every_honest_sites_generators_and_rej
     results = tmp_path / "results"
     # Site 3 (site-0's images, its own site-id) runs tests/hostile_site: it uploads a forged generator
     # claiming site 0's ids with an oversized config.
-    hostile_env = {**THREADS, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "hostile_site"), os.environ.get("PYTHONPATH", "")])}
+    hostile_env = with_pythonpath(THREADS, "hostile_site")
     hostile = SuperNode(link, tmp_path / "node-hostile", {"data-dir": str(factory_sites / "site-0"), "site-id": 3, "num-sites": 4},
                         pki / "keys" / "site-3", env=hostile_env)  # fmt: skip
     with running_sites(link, pki, tmp_path, [factory_sites / f"site-{k}" for k in range(3)]) as nodes:
