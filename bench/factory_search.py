@@ -57,6 +57,7 @@ from fedskew.factory.site import (
     lacking_class_images,
     label_counts,
     p2p_samples_per_class,
+    reference_lr,
     site_plan,
     train_site_expert,
     train_site_generators,
@@ -71,13 +72,15 @@ SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 
 # sampler settings change only the recorded memorisation share, not the weights).
 NO_MODULES = "no-modules.json"  # a site's cache entry when it has no class to train a generator for
 GENERATOR_KEYS = ("generator", "generator_channels", "generator_images", "generator_steps", "augment", "conditional", "min_class_images")
+# The reference lr every library was trained at before it was a key: libraries trained at it keep their names.
+FORMER_REF_LR = 0.01
 
 
 def library_key(cfg: RunConfig, num_sites: int) -> str:
     """The JSON of everything that shapes a search's generator library: its cache directory's name is the hash."""
     shaping = {k: getattr(cfg.factory, k) for k in GENERATOR_KEYS}
-    if cfg.factory.generator_lr:  # only when set, so libraries cached before the key existed keep their names
-        shaping["generator_lr"] = cfg.factory.generator_lr
+    if reference_lr(cfg.factory) != FORMER_REF_LR:
+        shaping["generator_lr"] = reference_lr(cfg.factory)
     return json.dumps({"data": [cfg.dataset, cfg.image_size, cfg.partition, cfg.classes_per_site, cfg.alpha, cfg.val_fraction],
                        "seed": cfg.seed, "sites": num_sites, **shaping}, sort_keys=True)  # fmt: skip
 

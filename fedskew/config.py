@@ -131,7 +131,7 @@ class FactorySection(_Section):
     )
     generator_lr: float = Field(
         0.0, ge=0.0, le=1.0, description="Each generator's reference learning rate, reached after the ramp-up and "
-        "decayed as 1/sqrt(t) after t_ref, as in EDM2 (0 = the preset's: 0.01 for both)."
+        "decayed as 1/sqrt(t) after t_ref, as in EDM2 (0 = the preset's: cpu 0.04, gpu-32px 0.01, EDM2's)."
     )
     generator_images: int = Field(
         0, ge=0, le=10_000_000_000, description="Training budget per generator in images seen, whatever batch the "

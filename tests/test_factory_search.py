@@ -141,13 +141,17 @@ def test_the_bound_trains_its_own_epochs_when_asked(search, monkeypatch):
     assert record["centralised_epochs"] == 3
 
 
-def test_a_generator_lr_left_at_its_default_keeps_the_cache_name_of_earlier_searches():
+def test_the_library_key_names_the_generator_lr_a_library_is_trained_at_except_the_former_001():
     def key_of(overlay):
-        return factory_search.library_key(RunConfig.from_run_config({**factory_search.SILOS, "method": "factory", **overlay}), 10)
+        return json.loads(factory_search.library_key(RunConfig.from_run_config({**factory_search.SILOS, "method": "factory", **overlay}), 10))
 
-    assert key_of({}) == key_of({"factory.generator-lr": 0.0})
-    assert "generator_lr" not in json.loads(key_of({}))
-    assert json.loads(key_of({"factory.generator-lr": 0.04}))["generator_lr"] == 0.04
+    # The default and the same lr set explicitly train the same weights, so they share one cache entry.
+    assert key_of({}) == key_of({"factory.generator-lr": 0.0}) == key_of({"factory.generator-lr": 0.04})
+    assert key_of({})["generator_lr"] == 0.04
+    # Libraries trained at 0.01 before the lr was a key keep their cache names.
+    assert "generator_lr" not in key_of({"factory.generator-lr": 0.01})
+    assert key_of({"factory.generator": "gpu-32px"}).get("generator_lr") is None
+    assert key_of({"factory.generator": "gpu-32px", "factory.generator-lr": 0.02})["generator_lr"] == 0.02
 
 
 def test_the_bound_alone_trains_no_generator(tmp_path, monkeypatch):

@@ -69,7 +69,7 @@ def test_generator_width_is_the_presets_unless_set(preset, channels, expected):
     assert weights / narrow_weights == pytest.approx((expected / narrow.model_channels) ** 2, rel=0.05)
 
 
-@pytest.mark.parametrize(("preset", "lr", "expected"), [("cpu", 0.0, 0.01), ("cpu", 0.04, 0.04), ("gpu-32px", 0.0, 0.01), ("gpu-32px", 0.02, 0.02)])
+@pytest.mark.parametrize(("preset", "lr", "expected"), [("cpu", 0.0, 0.04), ("cpu", 0.01, 0.01), ("gpu-32px", 0.0, 0.01), ("gpu-32px", 0.02, 0.02)])
 def test_generator_lr_is_the_presets_unless_set(preset, lr, expected):
     factory = RunConfig.from_run_config({"factory.generator": preset, "factory.generator-lr": lr}).factory
     config = generator_config(factory, (3, 32, 32), 0, 180, 0)

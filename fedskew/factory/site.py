@@ -29,6 +29,7 @@ from fedskew.factory.library import (
     synthesise,
 )
 from fedskew.models.edm2 import (
+    CPU_PRESET,
     GPU_PRESET_32PX,
     GeneratorConfig,
     Precond,
@@ -44,6 +45,11 @@ from fedskew.models.generator_io import state_dict_checksum
 def generator_preset(name: str, resolution: int) -> GeneratorConfig:
     """The named preset for `resolution` px images (the CPU one grows its levels with the image)."""
     return cpu_preset(resolution) if name == "cpu" else GPU_PRESET_32PX
+
+
+def reference_lr(factory: FactorySection) -> float:
+    """The generators' reference learning rate: factory.generator-lr, or the preset's when it is 0."""
+    return factory.generator_lr or (CPU_PRESET if factory.generator == "cpu" else GPU_PRESET_32PX).ref_lr
 
 
 # A sample closer to a training image than this share of its distance to the nearest held-out image
@@ -87,7 +93,7 @@ def generator_config(
         img_channels=channels,
         label_dim=label_dim,
         model_channels=factory.generator_channels or preset.model_channels,
-        ref_lr=factory.generator_lr or preset.ref_lr,
+        ref_lr=reference_lr(factory),
         attn_resolutions=attn,
         total_images=max(total, preset.batch_size),
         t_ref=max(1, round(preset.t_ref * scale)),
