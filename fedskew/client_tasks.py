@@ -198,18 +198,20 @@ def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
 def optimizer_arrays(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimiser's per-parameter state (AdamW: step, moments) as flat "<param index>.<name>" tensors."""
     return {
-        f"{index}.{name}": torch.as_tensor(value).detach().cpu()
+        f"{index}.{name}": torch.as_tensor(value).detach().cpu().clone()
         for index, values in optimizer.state_dict()["state"].items()
         for name, value in values.items()
     }
 
 
 def load_optimizer_arrays(optimizer: torch.optim.Optimizer, arrays: dict[str, torch.Tensor]) -> None:
-    """Restore per-parameter state saved by optimizer_arrays; hyper-parameters (lr, schedule) stay the new ones."""
+    """Restore per-parameter state saved by optimizer_arrays; hyper-parameters (lr, schedule) stay the new ones.
+    The optimiser gets copies: torch keeps a loaded tensor whose dtype and device already match and updates it
+    in place, which would change `arrays` under whoever else holds them (another site given the same state)."""
     nested: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in arrays.items():
         index, _, name = key.partition(".")
-        nested.setdefault(int(index), {})[name] = value
+        nested.setdefault(int(index), {})[name] = value.clone()
     optimizer.load_state_dict({"state": nested, "param_groups": optimizer.state_dict()["param_groups"]})
 
 

@@ -8,6 +8,8 @@ from fedskew.client_tasks import (
     OPTIMIZER_SITE_STATE,
     VAL_COUNTS_KEY,
     evaluate_site,
+    load_optimizer_arrays,
+    optimizer_arrays,
     received_etf,
     received_proximal_mu,
     site_survey,
@@ -89,6 +91,27 @@ def test_kept_adamw_state_continues_across_rounds_through_the_node_state_record(
     assert kept.get(OPTIMIZER_SITE_STATE)["0.step"].item() == 2 * steps
     restarted, _ = train_site(cfg, site, after_one, server_round=2, proximal_mu=0.0, etf=etf.numpy(), site_state=RecordStore())
     assert any(not torch.allclose(continued[k].float(), restarted[k].float()) for k in continued)
+
+
+def test_optimizer_state_saved_and_restored_is_a_copy_that_training_leaves_unchanged():
+    # Two optimisers restored from one saved state (two sites given the same averaged moments) must each start
+    # from it: neither saving nor restoring may hand out tensors that a later step updates in place.
+    first = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([first], lr=0.1)
+    first.grad = torch.ones(3)
+    optimizer.step()
+    saved = optimizer_arrays(optimizer)
+    snapshot = {k: v.clone() for k, v in saved.items()}
+    first.grad = torch.full((3,), 2.0)
+    optimizer.step()  # the saved state is a snapshot, not the live moments
+    for grad in (5.0, -5.0):
+        other = torch.nn.Parameter(torch.ones(3))
+        restored = torch.optim.AdamW([other], lr=0.1)
+        load_optimizer_arrays(restored, saved)
+        other.grad = torch.full((3,), grad)
+        restored.step()
+        assert restored.state[other]["step"].item() == 2  # continued from step 1, not from the other's 2
+    assert all(torch.equal(saved[k], snapshot[k]) for k in saved)
 
 
 class RecordStore:
