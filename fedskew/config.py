@@ -42,12 +42,9 @@ RETIRED_TRAINING_KEYS = ("fednca.warmup-fraction",)  # replaced by fednca.warmup
 
 def current_run_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved flat run config (a model card's, a run's config.json) in today's keys."""
-    current = {**ADDED_KEYS_AS_BEFORE, **{k: v for k, v in saved.items() if k not in RETIRED_TRAINING_KEYS}}
-    if "factory.p2p-epochs" not in saved:
-        # Before the key a factory-p2p run's experts trained factory.classifier-epochs; other methods train none.
-        experts_then = saved.get("factory.classifier-epochs") if saved.get("method") == "factory-p2p" else None
-        current["factory.p2p-epochs"] = experts_then or FactorySection.model_fields["p2p_epochs"].default
-    return current
+    # factory.p2p-epochs needs no entry: before the key the experts trained factory.classifier-epochs, what its
+    # default (0) means.
+    return {**ADDED_KEYS_AS_BEFORE, **{k: v for k, v in saved.items() if k not in RETIRED_TRAINING_KEYS}}
 
 
 class ConfigError(ValueError):
@@ -101,8 +98,6 @@ class FedNCASection(_Section):
 
 # factory.samples-per-class = 0: the server's synthetic images per class by image side.
 SMALL_IMAGE_SIDE, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS = 16, 300, 1000
-# factory.p2p-epochs = 0: the experts' epochs up to SMALL_IMAGE_SIDE px and above it.
-SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS = 6, 20
 # factory.p2p-samples-per-class = 0: above SMALL_IMAGE_SIDE px at least this many per lacking class.
 LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS = 500
 
@@ -277,16 +272,15 @@ class FactorySection(_Section):
     )
     p2p_epochs: int = Field(
         0, ge=0, le=10_000, description="P2P: epochs of each site's expert classifier (otherwise the server "
-        f"classifier's recipe; 0 = by image side: {SMALL_IMAGE_EXPERT_EPOCHS} up to {SMALL_IMAGE_SIDE} px, "
-        f"{LARGE_IMAGE_EXPERT_EPOCHS} above); ten experts train at the sites where the server trains one classifier."
+        "classifier's recipe; 0 = `factory.classifier-epochs`); ten experts train at the sites where the server "
+        "trains one classifier."
     )
 
-    def expert_epochs(self, image_side: int) -> int:
-        """`p2p-epochs`, or where it is 0 the count for images of `image_side` px: at 28 px 6 epochs left the
-        experts under-trained (Product of Experts 0.59-0.62x of the same small CNN on the pooled real images,
-        three seeds) and 20 reach 0.90-0.94x (docs/benchmarks-factory.md); at 8 px 6 and 20 are level (0.981
-        and 0.983 with small-CNN experts, seed 0), and 6 cost ResNet-18 experts a third of 20's time."""
-        return by_image_side(self.p2p_epochs, image_side, SMALL_IMAGE_EXPERT_EPOCHS, LARGE_IMAGE_EXPERT_EPOCHS)
+    def expert_epochs(self) -> int:
+        """`p2p-epochs`, or where it is 0 the server classifier's epochs: the same count held on every dataset
+        measured (docs/benchmarks-factory.md), where the former 6 up to 16 px left the experts near chance on
+        16 px textured shapes and 6 at 28 px left them under-trained; at 8 px 6, 20 and 60 are level."""
+        return self.p2p_epochs or self.classifier_epochs
 
     p2p_val_fraction: float = Field(
         0.2, gt=0, lt=0.5, description="P2P: share of a site's real + synthetic set held out to pick the best epoch."

@@ -86,11 +86,8 @@ def test_the_label_kind_comes_from_the_config_only_when_it_can_tell(overrides, k
 def test_a_p2p_run_saved_before_p2p_epochs_reads_with_its_experts_trained_as_long_as_its_classifier():
     before = {k: v for k, v in RunConfig().to_run_config().items() if k != "factory.p2p-epochs"}
     p2p = {**before, "method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier-epochs": 12}
-    assert RunConfig.from_run_config(current_run_config(p2p)).factory.p2p_epochs == 12
-    # Other methods trained no expert: the key reads as its default, so such a run matches today's settings.
-    factory = {**before, "method": "factory", "factory.classifier-epochs": 12}
-    assert current_run_config(factory)["factory.p2p-epochs"] == RunConfig().factory.p2p_epochs
-    assert current_run_config({**p2p, "factory.p2p-epochs": 3})["factory.p2p-epochs"] == 3
+    assert RunConfig.from_run_config(current_run_config(p2p)).factory.expert_epochs() == 12
+    assert RunConfig.from_run_config(current_run_config({**p2p, "factory.p2p-epochs": 3})).factory.expert_epochs() == 3
 
 
 @pytest.mark.parametrize(("setting", "side", "expected"), [(0, 8, 300), (0, 16, 300), (0, 28, 1000), (0, 64, 1000),
@@ -100,11 +97,10 @@ def test_server_samples_per_class_follow_the_image_side_only_when_not_set(settin
     assert factory.server_samples_per_class(side) == expected
 
 
-@pytest.mark.parametrize(("setting", "side", "expected"), [(0, 8, 6), (0, 16, 6), (0, 17, 20), (0, 28, 20), (0, 64, 20),
-                                                           (3, 8, 3), (3, 64, 3)])
-def test_expert_epochs_follow_the_image_side_only_when_not_set(setting, side, expected):
-    factory = RunConfig.from_run_config({"factory.p2p-epochs": setting}).factory
-    assert factory.expert_epochs(side) == expected
+@pytest.mark.parametrize(("p2p_epochs", "classifier_epochs", "expected"), [(0, 20, 20), (0, 60, 60), (3, 20, 3), (3, 60, 3)])
+def test_experts_train_the_classifier_epochs_unless_set(p2p_epochs, classifier_epochs, expected):
+    factory = RunConfig.from_run_config({"factory.p2p-epochs": p2p_epochs, "factory.classifier-epochs": classifier_epochs}).factory
+    assert factory.expert_epochs() == expected
 
 
 @pytest.mark.parametrize(("setting", "side", "real", "expected"), [(0, 8, 180, 180), (0, 16, 13, 13), (0, 28, 180, 500),

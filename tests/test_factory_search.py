@@ -16,7 +16,7 @@ from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
 
 TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
-        "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 factory.p2p-epochs=2 method='factory-p2p'")  # fmt: skip
+        "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 method='factory-p2p'")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_every_site_trains_an_expert_and_the_product_is_scored_on_the_test_split
     _, results = search
     p2p = results["p2p"]
     assert [e["site"] for e in p2p["experts"]] == [0, 1, 2]
-    assert all(e["last_epoch"] == 2 and 1 <= e["best_epoch"] <= 2 for e in p2p["experts"])  # factory.p2p-epochs
+    assert all(e["last_epoch"] == 2 and 1 <= e["best_epoch"] <= 2 for e in p2p["experts"])  # p2p-epochs 0: the classifier's 2
     assert 0 <= p2p["accuracy"] <= 1 and p2p["min_class_recall"] == min(p2p["per_class_recall"])
     # Balanced accuracy is the mean recall over the test split's classes (digits' test split holds all ten).
     assert p2p["balanced_accuracy"] == pytest.approx(np.mean(p2p["per_class_recall"]))

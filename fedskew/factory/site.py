@@ -331,7 +331,7 @@ def train_site_expert(
             synthetic = lacking_class_images(cfg, site, library, device)
     if synthetic is not None:
         images, labels = np.concatenate([images, synthetic.images]), np.concatenate([labels, synthetic.labels])
-    recipe = dataclasses.replace(ClassifierRecipe.from_config(cfg), epochs=factory.expert_epochs(site.train_images.shape[-1]))
+    recipe = dataclasses.replace(ClassifierRecipe.from_config(cfg), epochs=factory.expert_epochs())
     with timed(training):
         model, stats = train_classifier(
             images, labels, site.num_classes, recipe,
