@@ -5,8 +5,8 @@
 
 Retrains the server classifier of a finished `factory` run (its `config.json` and the synthetic set it
 stored, `synthetic.safetensors`) once per torch thread count, with the run's recipe and seed, and
-prints the test accuracy, the lowest per-class recall, the best epoch and the final training loss of
-each. The same seed and data give the same model only at the same thread count: another count sums the
+prints the test accuracy, the lowest per-class recall, the best epoch, the final training loss and the
+wall seconds per epoch trained of each. The same seed and data give the same model only at the same thread count: another count sums the
 same gradients in another order, and the rounding grows over the epochs. This is how the in-process
 search (`bench.factory_search`, one thread) and a Flower run (the server's threads) were found to part
 on identical generators and synthetic sets.
@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import math
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -67,13 +68,16 @@ def retrain(cfg: RunConfig, images: torch.Tensor, labels: torch.Tensor, threads:
             return accuracy, log_likelihood
 
         recording = mock.patch.object(classifier_module, "holdout_score", recording_score)
+    start = time.perf_counter()
     with recording:
         model, stats = train_classifier(images.numpy(), labels.numpy(), num_classes, ClassifierRecipe.from_config(cfg),
                                         val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device)  # fmt: skip
+    seconds_per_epoch = (time.perf_counter() - start) / stats["last_epoch"]  # with --by-epoch, its scoring too
     metrics = evaluate(model, test.test_images, test.test_labels, device=device)
     result = {"threads": threads, "accuracy": round(metrics["accuracy"], 4),
               "lowest_recall": round(min(metrics["per_class_recall"]), 4), "best_epoch": stats["best_epoch"],
-              "train_loss": stats["train_loss"]}
+              "train_loss": stats["train_loss"],
+              "seconds_per_epoch": round(seconds_per_epoch, 3)}
     if by_epoch:
         result["rules"] = {name: epochs[index] for name, index in rule_picks(epochs).items()}
         result["epochs"] = epochs

@@ -138,10 +138,11 @@ class FactorySection(_Section):
         "`factory.generator-images`); the lr schedule scales with the run."
     )
     parallel_generators: int = Field(
-        0, ge=0, le=1024, description="Worker processes that train a site's per-class generators side by side, "
-        "sharing the site's torch threads (0 = automatic: on the CPU one per thread torch may use, in simulation "
-        "the ClientApp's `client-resources-num-cpus`; on CUDA 1). Same generators for any value at the same "
-        "threads per generator."
+        0, ge=0, le=1024, description="Worker processes that run generators side by side: a site's per-class "
+        "generators in training, and their draws when the server or a P2P site synthesises images. They share "
+        "the process's torch threads (0 = automatic: on the CPU one per thread torch may use, in simulation "
+        "the ClientApp's `client-resources-num-cpus`; on CUDA 1). Same generators and images for any value at "
+        "the same threads per generator."
     )
     min_class_images: int = Field(
         10, ge=1, le=1_000_000, description="A site trains a generator only for classes it holds at least this many "

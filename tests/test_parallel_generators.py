@@ -1,6 +1,7 @@
 """A site's per-class generators trained side by side in worker processes give the same generators as
-training them one after another: each generator draws only from its own seed, and at one torch thread
-per generator both paths run the same float32 operations in the same order."""
+training them one after another, and images drawn from them in worker processes are those drawn in one
+process: each generator and each draw uses only its own seed, and at one torch thread per generator both
+paths run the same float32 operations in the same order."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData
+from fedskew.factory.library import Library, SampleJob, synthesise
 from fedskew.factory.parallel import worker_count
 from fedskew.factory.site import train_site_generators
 
@@ -42,6 +44,24 @@ def test_generators_trained_in_worker_processes_equal_those_trained_one_after_an
             assert torch.equal(a.state[key], b.state[key]), (a.module_id, key)
     # the generators differ from each other: equality above is not that of untrained or identical nets
     assert sequential[0].checksum != sequential[1].checksum
+
+
+def test_images_drawn_in_worker_processes_equal_those_drawn_in_one_process_in_plan_order():
+    site = tiny_site()
+    modules, _ = train_site_generators(factory_config(1), site, torch.device("cpu"))
+    library = Library(tuple(modules), site.num_classes, (1, 8, 8), site.class_names)
+    a, b = (m.module_id for m in modules)
+    # module a's two draws are not adjacent in the plan: the images must come back in plan order
+    plan = [SampleJob(a, 0, 3, 11), SampleJob(b, 1, 2, 12), SampleJob(a, 0, 4, 13)]
+    draw = dict(steps=2, batch_size=2, device=torch.device("cpu"), progress=False)
+    one = synthesise(library, plan, workers=1, **draw)
+    two = synthesise(library, plan, workers=2, **draw)
+    assert one.images.shape == (9, 1, 8, 8) and one.labels.tolist() == two.labels.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0]
+    assert one.source.tolist() == two.source.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    assert np.array_equal(one.images, two.images)
+    # each draw depends on its own seed only: drawn alone, the third draw gives the same images
+    alone = synthesise(library, plan[2:], workers=1, **draw)
+    assert np.array_equal(alone.images, one.images[5:]) and not np.array_equal(one.images[:3], one.images[5:8])
 
 
 def test_worker_count_follows_the_setting_the_cores_and_the_device():

@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 from fedskew.config import FactorySection  # noqa: E402
 from fedskew.models.edm2 import GeneratorConfig, Precond, sample  # noqa: E402
 from fedskew.progress import ProgressReporter  # noqa: E402
+from fedskew.factory.parallel import run_side_by_side, worker_count  # noqa: E402
 from fedskew.models.generator_io import (  # noqa: E402
     GeneratorFileError,
     generator_from_arrays,
@@ -518,6 +519,23 @@ class SyntheticSet:
         )
 
 
+def draw_module_images(
+    module: GeneratorModule, jobs: Sequence[SampleJob], steps: int, batch_size: int, device: torch.device
+) -> list[np.ndarray]:
+    """The images of each of `jobs` (all draws from `module`, each of count >= 1 as `sampling_plan` makes
+    them), in order. A draw's noise comes in chunks of NOISE_CHUNK images seeded from the draw's seed, so
+    its images depend on neither batch_size nor the other draws."""
+    model = module.model(device)
+    return [
+        np.concatenate([
+            sample(model, min(NOISE_CHUNK, job.count - start), labels=job.class_id if module.conditional else None, steps=steps,
+                   seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device)
+            for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK))
+        ])
+        for job in jobs
+    ]  # fmt: skip
+
+
 def synthesise(
     library: Library,
     jobs: Sequence[SampleJob],
@@ -525,44 +543,42 @@ def synthesise(
     steps: int,
     batch_size: int,
     device: torch.device,
+    workers: int = 1,
     progress: bool = True,
 ) -> SyntheticSet:
-    """Run every draw of the plan on `device`, with progress lines unless `progress` is False. Each draw's
-    noise comes in chunks of NOISE_CHUNK images seeded from the draw's seed, so the images do not depend
-    on batch_size."""
-    models: dict[str, Precond] = {}
-    images, labels, source = [], [], []
-    total, done = sum(j.count for j in jobs), 0
-    report = ProgressReporter("synthesising") if progress else None
-    for index, job in enumerate(jobs):
-        module = library.module(job.module_id)
-        if job.module_id not in models:
-            models[job.module_id] = module.model(device)
-        for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK)):
-            n = min(NOISE_CHUNK, job.count - start)
-            images.append(
-                sample(
-                    models[job.module_id], n, labels=job.class_id if module.conditional else None, steps=steps,
-                    seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device,
-                )
-            )  # fmt: skip
-            done += n
-            if report is not None:
-                report(done, total)
-        labels.append(np.full(job.count, job.class_id, dtype=np.int64))
-        source.append(np.full(job.count, index, dtype=np.int64))
+    """Run every draw of the plan on `device`, one module's draws per job of `workers` worker processes
+    (fedskew.factory.parallel: the same images as one process at the same threads per module), with
+    progress lines unless `progress` is False."""
     if not jobs:
         raise ValueError("the sampling plan is empty: the library covers no class")
+    by_module: dict[str, list[int]] = {}
+    for index, job in enumerate(jobs):
+        by_module.setdefault(job.module_id, []).append(index)
+    report = ProgressReporter("synthesising") if progress else None
+    total, done = sum(j.count for j in jobs), 0
+
+    def count_done(drawn: list[np.ndarray]) -> None:
+        nonlocal done
+        done += sum(len(images) for images in drawn)
+        if report is not None:
+            report(done, total)
+
+    work = [(library.module(m), [jobs[i] for i in indices], steps, batch_size, device) for m, indices in by_module.items()]
+    drawn = run_side_by_side(draw_module_images, work, workers, on_result=count_done)
+    by_job = {i: job_images for indices, module_images in zip(by_module.values(), drawn) for i, job_images in zip(indices, module_images)}
+    images = [by_job[i] for i in range(len(jobs))]
+    labels = [np.full(job.count, job.class_id, dtype=np.int64) for job in jobs]
+    source = [np.full(job.count, index, dtype=np.int64) for index, job in enumerate(jobs)]
     return SyntheticSet(np.concatenate(images), np.concatenate(labels), np.concatenate(source), tuple(jobs))
 
 
 def class_balanced_set(library: Library, factory: FactorySection, seed: int, device: torch.device) -> SyntheticSet:
     """The server's training set: factory.samples-per-class images (by image side where it is 0) of every
     class the library covers."""
-    samples = factory.server_samples_per_class(library.image_shape[-1])
+    plan = sampling_plan(library, factory.server_samples_per_class(library.image_shape[-1]), seed)
     return synthesise(
-        library, sampling_plan(library, samples, seed), steps=factory.sampler_steps,
-        batch_size=factory.sample_batch_size, device=device,
+        library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
+        workers=worker_count(factory.parallel_generators, len({j.module_id for j in plan}), device),
     )  # fmt: skip
 
 
