@@ -4,7 +4,8 @@ processes, measured side by side.
     python -m bench.parallel_generators --classes 4,10 --steps 40 --audit-samples 64 --threads 2 --repeats 2
     python -m bench.parallel_generators --work synthesis --classes 10 --steps 40 --images-per-class 60 --threads 2 --repeats 3
 
-A site holding the first K digit classes (8 px, the CPU preset, `--steps` steps per generator) trains its K
+A site holding the first K classes of `--dataset` (8 px digits by default; the CPU preset of that image
+size, `--steps` steps per generator) trains its K
 generators with `train_site_generators` (training and memorisation audit) three ways: one after another on
 one torch thread (a site given one core), one after another on `--threads` threads (factory.parallel-generators
 = 1 on a site given `--threads` cores), and in `--threads` worker processes of one thread each; the three
@@ -35,15 +36,15 @@ from fedskew.factory.library import Library, sampling_plan, synthesise
 from fedskew.factory.site import classes_only, train_site_generators
 
 
-def site_with_classes(classes: int, seed: int):
-    cfg = RunConfig.from_run_config({"method": "factory", "dataset": "digits", "mosaic-grid": 0, "partition": "iid",
-                                     "image-size": 8, "seed": seed})  # fmt: skip
+def site_with_classes(classes: int, args: argparse.Namespace):
+    cfg = RunConfig.from_run_config({"method": "factory", "dataset": args.dataset, "mosaic-grid": 0, "partition": "iid",
+                                     "image-size": args.image_size, "seed": args.seed})  # fmt: skip
     return classes_only(simulated_site(cfg, 0, 1), tuple(range(classes)))
 
 
 def factory_config(args: argparse.Namespace, workers: int) -> RunConfig:
     return RunConfig.from_run_config({
-        "method": "factory", "dataset": "digits", "mosaic-grid": 0, "partition": "iid", "image-size": 8, "seed": args.seed,
+        "method": "factory", "dataset": args.dataset, "mosaic-grid": 0, "partition": "iid", "image-size": args.image_size, "seed": args.seed,
         "factory.generator-steps": args.steps, "factory.audit-samples": args.audit_samples, "factory.parallel-generators": workers,
     })  # fmt: skip
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="the site's torch threads (= workers on the parallel side)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset", default="digits", help="a bundled single-label dataset (digits, deformed-digits, shapes)")
+    parser.add_argument("--image-size", type=int, default=8, help="image side in pixels (the CPU preset scales with it)")
     parser.add_argument("--work", choices=("training", "synthesis"), default="training",
                         help="time the generators' training and audit, or the draw of images from them")
     parser.add_argument("--images-per-class", type=int, default=60, help="with --work synthesis: images drawn per class")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     baseline = f"one after another, {args.threads} threads"
     sides = {"one after another, 1 thread": (1, 1), baseline: (1, args.threads), f"{args.threads} workers, 1 thread each": (args.threads, 1)}
     for classes in (int(k) for k in args.classes.split(",")):
-        site = site_with_classes(classes, args.seed)
+        site = site_with_classes(classes, args)
         if args.work == "synthesis":
             library = trained_library(site, args)
         walls: dict[str, list[float]] = {side: [] for side in sides}
