@@ -24,6 +24,7 @@ images as one thread.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -63,7 +64,7 @@ def timed_synthesis(library: Library, args: argparse.Namespace, workers: int, th
     start = time.perf_counter()
     synthetic = synthesise(
         library, sampling_plan(library, args.images_per_class, args.seed), steps=factory.sampler_steps,
-        batch_size=factory.sample_batch_size, device=torch.device("cpu"), workers=workers, progress=False,
+        batch_size=factory.sample_batch_size, device=torch.device("cpu"), parallel=workers, progress=False,
     )  # fmt: skip
     return time.perf_counter() - start, None, synthetic.images
 
@@ -93,21 +94,19 @@ def main(argv: list[str] | None = None) -> None:
     for classes in (int(k) for k in args.classes.split(",")):
         site = site_with_classes(classes, args)
         if args.work == "synthesis":
-            library = trained_library(site, args)
+            timed = functools.partial(timed_synthesis, trained_library(site, args))
+        else:
+            timed = functools.partial(timed_training, site)
         walls: dict[str, list[float]] = {side: [] for side in sides}
         cpus: dict[str, list[float]] = {side: [] for side in sides}
-        checksums = {}
+        outputs = {}  # per side: the generators' checksums, or the images drawn
         for repeat in range(args.repeats):
             for side, (workers, threads) in sides.items():
-                if args.work == "synthesis":
-                    wall, cpu, checksums[side] = timed_synthesis(library, args, workers, threads * workers)
-                else:
-                    wall, cpu, checksums[side] = timed_training(site, args, workers, threads * workers)
+                wall, cpu, outputs[side] = timed(args, workers, threads * workers)
                 walls[side].append(wall)
                 cpus[side].append(cpu)
                 print(f"{classes} classes, repeat {repeat + 1}: {side}: {wall:.1f} s wall" + (f", {cpu:.1f} CPU s" if cpu is not None else ""), flush=True)
-        one, parallel = checksums["one after another, 1 thread"], checksums[f"{args.threads} workers, 1 thread each"]
-        same = np.array_equal(one, parallel) if args.work == "synthesis" else one == parallel
+        same = np.array_equal(outputs["one after another, 1 thread"], outputs[f"{args.threads} workers, 1 thread each"])
         base = statistics.median(walls[baseline])
         what = f"{args.images_per_class} images per class drawn" if args.work == "synthesis" else "trained"
         print(f"\n{classes} classes, {args.steps} steps per generator, {what}, {args.threads} threads, median of {args.repeats}:")

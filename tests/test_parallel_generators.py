@@ -54,13 +54,13 @@ def test_images_drawn_in_worker_processes_equal_those_drawn_in_one_process_in_pl
     # module a's two draws are not adjacent in the plan: the images must come back in plan order
     plan = [SampleJob(a, 0, 3, 11), SampleJob(b, 1, 2, 12), SampleJob(a, 0, 4, 13)]
     draw = dict(steps=2, batch_size=2, device=torch.device("cpu"), progress=False)
-    one = synthesise(library, plan, workers=1, **draw)
-    two = synthesise(library, plan, workers=2, **draw)
+    one = synthesise(library, plan, parallel=1, **draw)
+    two = synthesise(library, plan, parallel=2, **draw)
     assert one.images.shape == (9, 1, 8, 8) and one.labels.tolist() == two.labels.tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0]
     assert one.source.tolist() == two.source.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
     assert np.array_equal(one.images, two.images)
     # each draw depends on its own seed only: drawn alone, the third draw gives the same images
-    alone = synthesise(library, plan[2:], workers=1, **draw)
+    alone = synthesise(library, plan[2:], parallel=1, **draw)
     assert np.array_equal(alone.images, one.images[5:]) and not np.array_equal(one.images[:3], one.images[5:8])
 
 

@@ -543,12 +543,12 @@ def synthesise(
     steps: int,
     batch_size: int,
     device: torch.device,
-    workers: int = 1,
+    parallel: int = 1,
     progress: bool = True,
 ) -> SyntheticSet:
-    """Run every draw of the plan on `device`, one module's draws per job of `workers` worker processes
-    (fedskew.factory.parallel: the same images as one process at the same threads per module), with
-    progress lines unless `progress` is False."""
+    """Run every draw of the plan on `device`, one module's draws per job of worker processes, as many as
+    `parallel` (factory.parallel-generators; 0 = automatic) allows (fedskew.factory.parallel: the same images
+    as one process at the same threads per module), with progress lines unless `progress` is False."""
     if not jobs:
         raise ValueError("the sampling plan is empty: the library covers no class")
     by_module: dict[str, list[int]] = {}
@@ -564,7 +564,7 @@ def synthesise(
             report(done, total)
 
     work = [(library.module(m), [jobs[i] for i in indices], steps, batch_size, device) for m, indices in by_module.items()]
-    drawn = run_side_by_side(draw_module_images, work, workers, on_result=count_done)
+    drawn = run_side_by_side(draw_module_images, work, worker_count(parallel, len(work), device), on_result=count_done)
     by_job = {i: job_images for indices, module_images in zip(by_module.values(), drawn) for i, job_images in zip(indices, module_images)}
     images = [by_job[i] for i in range(len(jobs))]
     labels = [np.full(job.count, job.class_id, dtype=np.int64) for job in jobs]
@@ -578,7 +578,7 @@ def class_balanced_set(library: Library, factory: FactorySection, seed: int, dev
     plan = sampling_plan(library, factory.server_samples_per_class(library.image_shape[-1]), seed)
     return synthesise(
         library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
-        workers=worker_count(factory.parallel_generators, len({j.module_id for j in plan}), device),
+        parallel=factory.parallel_generators,
     )  # fmt: skip
 
 

@@ -317,7 +317,7 @@ def lacking_class_images(cfg: RunConfig, site: SiteData, library: Library, devic
     plan = sampling_plan(library, p2p_samples_per_class(site, factory), derived_seed(cfg.seed, site.site_id, 1), classes=lacking)
     return synthesise(
         library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
-        workers=worker_count(factory.parallel_generators, len({j.module_id for j in plan}), device), progress=False,
+        parallel=factory.parallel_generators, progress=False,
     )  # fmt: skip
 
 
