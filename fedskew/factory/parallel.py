@@ -11,8 +11,8 @@ the same result in a worker as in the site's own process at the same thread coun
 Drawing images is split the same way rather than left to torch's threads: the sampler's convolutions on
 small images are short, and each waits at a barrier for all of torch's threads. When another process holds
 one of the cores, the barrier waits for the scheduler: on the 2-core machine beside a one-thread job, the
-server's synthesis of 8 px digits on 2 torch threads was 8x slower than on one (its convolutions 5.7 ms
-against 68 us each), and in a Flower run 35x slower than the same draws in a one-thread process.
+draw of 8 px digits on 2 torch threads was 7.2x slower than on one (bench.parallel_generators), and in a
+Flower run 35x slower than the same draws in a one-thread process.
 
 Workers are not forked from the site's process: a fork of a process whose torch thread pool has run (a
 Ray worker, a SuperNode) can deadlock in the child. They are forked from a fresh fork server that has
