@@ -202,6 +202,12 @@ TRIALS = [
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
     # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
+    # The LADM's token count at the run budget: 4 x 4 and 16 x 16 tokens at 32 px against the default 8 x 8.
+    *[(f"{method}-e1-r60-side{side}", method, {"num-server-rounds": 60, "local-epochs": 1, "feature-side": side})
+      for side in (4, 16) for method in ("fednca", "centralized")],
+    # MimeLite: memory across rounds measured at the global weights and frozen during the local steps.
+    *[(f"fednca-e1-r60-mime-{second}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.mime-lite": second})
+      for second in ("batch-squares", "mean-gradient")],
     ("fednca-e1-r60-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     ("centralized-e1-r60-shift", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     # Memory lets the sites fit their images (AdamW kept or averaged); does augmentation keep that from over-fitting?
@@ -356,16 +362,13 @@ def first_moment_bias_restarted(build):
     return build_with_restart
 
 
-def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
-                    device: torch.device, limit: int | None = None) -> None:
-    """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
-    one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
-    K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
-    one more pass over the site's batches before it trains (the first `limit` of them, if given). BatchNorm
-    statistics are left as they were."""
+def gradient_moments(model: torch.nn.Module, params: list[torch.nn.Parameter], batches: Iterable, loss_fn,
+                     device: torch.device, limit: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Mean gradient and mean squared gradient of each of `params` over `batches` (the first `limit` of them) at
+    the current weights, and the batch count; the weights, BatchNorm statistics and .grad fields are left as
+    they were."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     saved_grads = [p.grad for p in model.parameters()]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [torch.zeros_like(p) for p in params]
     squares = [torch.zeros_like(p) for p in params]
     model.train()
@@ -381,13 +384,78 @@ def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ba
     model.load_state_dict(buffers, strict=False)
     for p, grad in zip(model.parameters(), saved_grads):
         p.grad = grad
-    moments = {id(p): (total / count, square / count) for p, total, square in zip(params, sums, squares)}
+    return [total / count for total in sums], [square / count for square in squares], count
+
+
+def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
+                    device: torch.device, limit: int | None = None) -> None:
+    """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
+    one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
+    K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
+    one more pass over the site's batches before it trains (the first `limit` of them, if given). BatchNorm
+    statistics are left as they were."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    means, mean_squares, count = gradient_moments(model, params, batches, loss_fn, device, limit)
+    moments = {id(p): pair for p, pair in zip(params, zip(means, mean_squares))}
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             mean, mean_square = moments[id(p)]
             optimizer.state[p] = {"step": torch.tensor(float(count)), "exp_avg": mean * (1 - beta1**count),
                                   "exp_avg_sq": mean_square * (1 - beta2**count)}
+
+
+class MimeLite:
+    """`bench.mime-lite`: the sites' AdamW runs on moments the server holds and the sites never change (MimeLite,
+    Karimireddy et al. 2020, arXiv:2008.03606). Each round a site first takes one gradient pass over its batches
+    at the global weights (no step); every local step then starts from the server's moments, m' = b1 m + (1-b1) g,
+    v' = b2 v + (1-b2) g^2 with bias corrections for the server's t updates + 1, and throws m', v' away. After
+    the round the server updates its moments once, with the sites' mean gradients at the global weights averaged
+    by example count: m <- b1 m + (1-b1) g_avg, and v from the sites' mean squared batch gradients
+    (`second_moment = "batch-squares"`, what central AdamW's v tracks) or from g_avg^2 (`"mean-gradient"`, the
+    paper's update with full-batch gradients). Memory across rounds, like the bound's AdamW, but the moments are
+    measured at the global weights and fixed during local steps, so no site's own fitting enters them. Round 1,
+    before the server holds moments, is a plain fresh AdamW. `train` is the local training loop it wraps."""
+
+    def __init__(self, second_moment: str, train: Callable = train_local):
+        if second_moment not in ("batch-squares", "mean-gradient"):
+            raise ValueError(f"bench.mime-lite is 'batch-squares' or 'mean-gradient', got {second_moment!r}")
+        self.second_moment, self.train = second_moment, train
+        self.updates = 0
+        self.first: list[torch.Tensor] = []
+        self.second: list[torch.Tensor] = []
+        self.site_moments: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def train_local(self, model, loader, *, optimizer, loss_fn, device, **rest):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        means, mean_squares, _ = gradient_moments(model, params, loader, loss_fn, device)
+        self.site_moments.append((means, mean_squares))
+        handle = optimizer.register_step_pre_hook(self.install) if self.updates else None
+        try:
+            return self.train(model, loader, optimizer=optimizer, loss_fn=loss_fn, device=device, **rest)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def install(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """Before every local step: the server's moments, whatever the previous step made of them."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p, m, v in zip(params, self.first, self.second):
+            optimizer.state[p] = {"step": torch.tensor(float(self.updates)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+
+    def update(self, weights: list[dict], betas: tuple[float, float]) -> None:
+        """The server's one moment update of the round, from the sites' passes at the global weights."""
+        shares = np.array([metrics["num-examples"] for metrics in weights], dtype=np.float64)
+        shares /= shares.sum()
+        count = len(self.site_moments[0][0])
+        mean = [sum(float(w) * site[0][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
+        squares = ([sum(float(w) * site[1][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
+                   if self.second_moment == "batch-squares" else [g * g for g in mean])
+        beta1, beta2 = betas
+        self.first = [beta1 * m + (1 - beta1) * g for m, g in zip(self.first or [torch.zeros_like(g) for g in mean], mean)]
+        self.second = [beta2 * v + (1 - beta2) * s for v, s in zip(self.second or [torch.zeros_like(s) for s in squares], squares)]
+        self.updates += 1
+        self.site_moments.clear()
 
 
 def warm_started_train_local(model, loader, *, optimizer, loss_fn, device, **rest):
@@ -405,11 +473,22 @@ def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[di
     return {k: v.float() for k, v in shared.items()}
 
 
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """`module.name` set to `value` inside the block."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
-                first_moment_bias_restart: bool = False) -> dict:
+                first_moment_bias_restart: bool = False, mime_lite: str = "") -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
@@ -417,7 +496,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
     `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
     replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
-    so all sites start the next round from the same moments."""
+    so all sites start the next round from the same moments; `mime_lite` trains the sites on the server's frozen
+    AdamW moments (`MimeLite`)."""
     device = torch.device("cpu")
     trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
@@ -444,12 +524,18 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     etf_array = etf.numpy() if etf is not None else None
     parameter_names = [name for name, _ in model.named_parameters()]
     velocity: dict[str, torch.Tensor] = {}
+    mime = MimeLite(mime_lite) if mime_lite else None
     for server_round in range(1, cfg.num_server_rounds + 1):
-        updates = [
-            train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array, site_state=stores[k])
-            for k, site in enumerate(sites)
-        ]
+        with contextlib.ExitStack() as patches:
+            if mime is not None:
+                patches.enter_context(patched(client_tasks, "train_local", mime.train_local))
+            updates = [
+                train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array, site_state=stores[k])
+                for k, site in enumerate(sites)
+            ]
         averaged = federated_average(updates)
+        if mime is not None:
+            mime.update([metrics for _, metrics in updates], (0.9, cfg.fednca.beta2))
         if average_optimizer_state:
             shared = shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
                                             [metrics for _, metrics in updates], average_optimizer_state)
@@ -656,12 +742,14 @@ def bench_options(options: dict):
     cosine instead of linearly after the warm-up; `bench.etf-scale` sets the learned ETF logit scale's initial
     value (10); `bench.first-moment-bias-restart` restarts AdamW's first-moment bias correction where its first
     moment is zeroed and its step count kept (with `bench.first-moment-reset` in the bound, with
-    `bench.average-optimizer-state = "second-moment"` at the sites; `FirstMomentBiasRestart`)."""
+    `bench.average-optimizer-state = "second-moment"` at the sites; `FirstMomentBiasRestart`); `bench.mime-lite`
+    ("batch-squares" or "mean-gradient") trains the sites on AdamW moments the server holds and updates once a
+    round from gradients at the global weights (`MimeLite`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
-             "bench.etf-scale", "bench.first-moment-bias-restart"}
+             "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -670,6 +758,9 @@ def bench_options(options: dict):
         raise ValueError("bench.first-moment-bias-restart restarts the bias correction of a zeroed first moment: give it with "
                          "bench.first-moment-reset (without bench.moment-warm-start) or with "
                          "bench.average-optimizer-state = 'second-moment'")
+    if options.get("bench.mime-lite") and options.get("bench.moment-warm-start"):
+        raise ValueError("bench.mime-lite sets every local step's AdamW moments from the server's; it does not combine "
+                         "with bench.moment-warm-start")
     if "bench.decay-share" in options and options.get("bench.cosine-decay"):
         raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
                          "warm-up; give one of them")
@@ -732,7 +823,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
                         options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
-                        options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False))
+                        options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
+                        options.get("bench.mime-lite", ""))
     return {**diagnose(model, sites, data), **trace}
 
 

@@ -11,6 +11,7 @@ import torch
 
 from bench.fednca_search import (
     FirstMomentBiasRestart,
+    MimeLite,
     bench_options,
     federated_average,
     hold_then_decay,
@@ -207,6 +208,49 @@ def test_warm_started_adam_takes_its_first_step_as_if_it_had_seen_the_batches_an
     # BatchNorm statistics are what they were before the gradient pass.
     warm_start_adam(optimizer, model, batches, lambda net, x, y: net(x).sum(), torch.device("cpu"))
     assert torch.equal(norm.running_mean, torch.zeros(1)) and norm.num_batches_tracked.item() == 0
+
+
+def test_mime_lite_sites_step_from_the_servers_moments_which_only_the_server_updates():
+    # loss = sum(w * x): a site's gradient is sum(x) whatever w is. Site A (1 example, batches [1], [3]: mean g 2,
+    # mean g^2 5), site B (3 examples, batches [4], [4]: mean g 4, mean g^2 16). Weights 1/4 and 3/4: the server's
+    # first update gives m = 0.1 * 3.5 and, from the batch squares, v = 0.02 * 13.25 (from the mean gradient:
+    # 0.02 * 3.5^2). Every local step then starts from those moments at step 1: m' = 0.9 m + 0.1 g,
+    # v' = 0.98 v + 0.02 g^2, bias-corrected at step 2, so two steps with gradient 1 move the weight twice by the
+    # same amount, and the server's moments are unchanged by them.
+    def loss(net, x, y):
+        return net(x).sum()
+
+    def site(mime, batches, examples, steps):
+        linear = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(linear.weight)
+        optimizer = torch.optim.AdamW([linear.weight], lr=0.1, betas=(0.9, 0.98), weight_decay=0.0)
+        moves = []
+
+        def train_local(model, loader, *, optimizer, loss_fn, device):
+            for _ in range(steps):
+                before = model.weight.item()
+                model.weight.grad = torch.tensor([[1.0]])
+                optimizer.step()
+                moves.append(before - model.weight.item())
+            return {}
+
+        mime.train = train_local
+        mime.train_local(linear, [(torch.tensor([[b]]), torch.zeros(1)) for b in batches], optimizer=optimizer,
+                         loss_fn=loss, device=torch.device("cpu"))
+        return moves, {"num-examples": examples}
+
+    for second, v in (("batch-squares", 0.02 * 13.25), ("mean-gradient", 0.02 * 3.5**2)):
+        mime = MimeLite(second)
+        first_round = [site(mime, [1.0, 3.0], 1, 1), site(mime, [4.0, 4.0], 3, 1)]
+        assert [moves for moves, _ in first_round] == [[pytest.approx(0.1)], [pytest.approx(0.1)]]  # fresh AdamW
+        mime.update([weights for _, weights in first_round], (0.9, 0.98))
+        assert mime.first[0].item() == pytest.approx(0.35) and mime.second[0].item() == pytest.approx(v)
+        moves, _ = site(mime, [1.0], 1, 2)
+        m_hat, v_hat = (0.9 * 0.35 + 0.1) / (1 - 0.9**2), (0.98 * v + 0.02) / (1 - 0.98**2)
+        assert moves == [pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-5)] * 2
+        assert mime.first[0].item() == pytest.approx(0.35) and mime.updates == 1
+    with pytest.raises(ValueError, match="bench.mime-lite"):
+        MimeLite("both")
 
 
 def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
