@@ -202,12 +202,20 @@ TRIALS = [
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
     # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
+    # One second moment per block of weights (BlockAdamW): does an optimiser whose restart costs little close the gap?
+    ("fednca-e1-r60-block-v", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
+    ("centralized-e1-r60-block-v", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
+    ("centralized-e1-r60-block-v-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                          "bench.block-second-moment": True, "bench.optimizer-reset-steps": 6}),
     # The LADM's token count at the run budget: 4 x 4 and 16 x 16 tokens at 32 px against the default 8 x 8.
     *[(f"{method}-e1-r60-side{side}", method, {"num-server-rounds": 60, "local-epochs": 1, "feature-side": side})
       for side in (4, 16) for method in ("fednca", "centralized")],
     # MimeLite: memory across rounds measured at the global weights and frozen during the local steps.
     *[(f"fednca-e1-r60-mime-{second}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.mime-lite": second})
       for second in ("batch-squares", "mean-gradient")],
+    # The same memory in local steps: beta^6 per round (175-190 images at batch 32) remembers what beta per step does.
+    ("fednca-e1-r60-mime-round-betas", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                   "bench.mime-lite": "batch-squares", "bench.mime-round-betas": True}),
     ("fednca-e1-r60-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     ("centralized-e1-r60-shift", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     # Memory lets the sites fit their images (AdamW kept or averaged); does augmentation keep that from over-fitting?
@@ -415,12 +423,14 @@ class MimeLite:
     (`second_moment = "batch-squares"`, what central AdamW's v tracks) or from g_avg^2 (`"mean-gradient"`, the
     paper's update with full-batch gradients). Memory across rounds, like the bound's AdamW, but the moments are
     measured at the global weights and fixed during local steps, so no site's own fitting enters them. Round 1,
-    before the server holds moments, is a plain fresh AdamW. `train` is the local training loop it wraps."""
+    before the server holds moments, is a plain fresh AdamW. `betas` serve the server's update and the local
+    steps alike (the paper's choice: one server update counts as one step); `train` is the local training loop
+    it wraps."""
 
-    def __init__(self, second_moment: str, train: Callable = train_local):
+    def __init__(self, second_moment: str, betas: tuple[float, float], train: Callable = train_local):
         if second_moment not in ("batch-squares", "mean-gradient"):
             raise ValueError(f"bench.mime-lite is 'batch-squares' or 'mean-gradient', got {second_moment!r}")
-        self.second_moment, self.train = second_moment, train
+        self.second_moment, self.betas, self.train = second_moment, betas, train
         self.updates = 0
         self.first: list[torch.Tensor] = []
         self.second: list[torch.Tensor] = []
@@ -430,6 +440,8 @@ class MimeLite:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         means, mean_squares, _ = gradient_moments(model, params, loader, loss_fn, device)
         self.site_moments.append((means, mean_squares))
+        for group in optimizer.param_groups:
+            group["betas"] = self.betas
         handle = optimizer.register_step_pre_hook(self.install) if self.updates else None
         try:
             return self.train(model, loader, optimizer=optimizer, loss_fn=loss_fn, device=device, **rest)
@@ -443,7 +455,7 @@ class MimeLite:
         for p, m, v in zip(params, self.first, self.second):
             optimizer.state[p] = {"step": torch.tensor(float(self.updates)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
 
-    def update(self, weights: list[dict], betas: tuple[float, float]) -> None:
+    def update(self, weights: list[dict]) -> None:
         """The server's one moment update of the round, from the sites' passes at the global weights."""
         shares = np.array([metrics["num-examples"] for metrics in weights], dtype=np.float64)
         shares /= shares.sum()
@@ -451,7 +463,7 @@ class MimeLite:
         mean = [sum(float(w) * site[0][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
         squares = ([sum(float(w) * site[1][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
                    if self.second_moment == "batch-squares" else [g * g for g in mean])
-        beta1, beta2 = betas
+        beta1, beta2 = self.betas
         self.first = [beta1 * m + (1 - beta1) * g for m, g in zip(self.first or [torch.zeros_like(g) for g in mean], mean)]
         self.second = [beta2 * v + (1 - beta2) * s for v, s in zip(self.second or [torch.zeros_like(s) for s in squares], squares)]
         self.updates += 1
@@ -488,7 +500,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
-                first_moment_bias_restart: bool = False, mime_lite: str = "") -> dict:
+                first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
@@ -497,7 +509,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
     replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
     so all sites start the next round from the same moments; `mime_lite` trains the sites on the server's frozen
-    AdamW moments (`MimeLite`)."""
+    AdamW moments (`MimeLite`), with AdamW's betas raised to the power of a round's local steps where
+    `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's)."""
     device = torch.device("cpu")
     trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
@@ -524,7 +537,11 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     etf_array = etf.numpy() if etf is not None else None
     parameter_names = [name for name, _ in model.named_parameters()]
     velocity: dict[str, torch.Tensor] = {}
-    mime = MimeLite(mime_lite) if mime_lite else None
+    betas = (0.9, cfg.fednca.beta2)
+    if mime_round_betas:
+        steps = round(cfg.local_epochs * float(np.mean([math.ceil(len(s.train_labels) / cfg.batch_size) for s in sites])))
+        betas = (betas[0] ** steps, betas[1] ** steps)
+    mime = MimeLite(mime_lite, betas) if mime_lite else None
     for server_round in range(1, cfg.num_server_rounds + 1):
         with contextlib.ExitStack() as patches:
             if mime is not None:
@@ -535,7 +552,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             ]
         averaged = federated_average(updates)
         if mime is not None:
-            mime.update([metrics for _, metrics in updates], (0.9, cfg.fednca.beta2))
+            mime.update([metrics for _, metrics in updates])
         if average_optimizer_state:
             shared = shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
                                             [metrics for _, metrics in updates], average_optimizer_state)
@@ -693,6 +710,51 @@ def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
 
 
+class BlockAdamW(torch.optim.Optimizer):
+    """AdamW whose second moment is one number per block of weights instead of one per weight (Adam-mini's
+    partition, Zhang et al. 2024, arXiv:2406.16793, simplified): a block is an output row of a weight with two or
+    more dimensions (a conv filter, a linear or attention projection's row) or a whole vector or scalar. A fresh
+    AdamW's first steps move every weight by about the lr, sign(g), because its per-weight second moment has seen
+    one gradient; a block's mean squared gradient is measured over the block's weights from the first step on, so
+    a restarted optimiser's first steps already scale with the gradient."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @staticmethod
+    def block_mean_square(gradient: torch.Tensor) -> torch.Tensor:
+        if gradient.dim() >= 2:
+            return (gradient * gradient).mean(dim=tuple(range(1, gradient.dim())), keepdim=True)
+        return (gradient * gradient).mean()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(self.block_mean_square(p)))
+                state["step"] += 1
+                t = state["step"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].lerp_(p.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).add_(self.block_mean_square(p.grad), alpha=1 - beta2)
+                denominator = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denominator.expand_as(p), value=-group["lr"] / (1 - beta1**t))
+
+
+def block_adamw_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
+    """`bench.block-second-moment`: FedNCA-ML's optimiser (its parameter groups, weight decay and schedule) with
+    `BlockAdamW` in place of AdamW, at the sites and in the bound alike."""
+    adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
+    optimizer = BlockAdamW([{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups],
+                           lr=lr, betas=betas)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+
+
 # `bench.cosine-decay`: the same warm-up, then a cosine decay to 0 in place of the linear one.
 warmup_then_cosine = after_warmup(lambda step, steps: 0.5 * (1 + math.cos(math.pi * step / steps)))
 
@@ -744,12 +806,15 @@ def bench_options(options: dict):
     moment is zeroed and its step count kept (with `bench.first-moment-reset` in the bound, with
     `bench.average-optimizer-state = "second-moment"` at the sites; `FirstMomentBiasRestart`); `bench.mime-lite`
     ("batch-squares" or "mean-gradient") trains the sites on AdamW moments the server holds and updates once a
-    round from gradients at the global weights (`MimeLite`)."""
+    round from gradients at the global weights (`MimeLite`; `bench.mime-round-betas`: with AdamW's betas to the
+    power of a round's local steps); `bench.block-second-moment` replaces AdamW by `BlockAdamW` (one second moment
+    per block of weights) at the sites and in the bound."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
-             "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite"}
+             "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
+             "bench.block-second-moment"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -779,6 +844,8 @@ def bench_options(options: dict):
         fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
     if options.get("bench.local-sgd"):
         client_tasks.fednca_optimizer = sgd_with_fednca_schedule
+    if options.get("bench.block-second-moment"):
+        client_tasks.fednca_optimizer = block_adamw_with_fednca_schedule
     if "bench.adam-eps" in options:
         client_tasks.fednca_optimizer = adamw_with_eps(original_optimizer, options["bench.adam-eps"])
     if "bench.width" in options:
@@ -824,7 +891,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
                         options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
                         options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
-                        options.get("bench.mime-lite", ""))
+                        options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False))
     return {**diagnose(model, sites, data), **trace}
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from bench.fednca_search import (
+    BlockAdamW,
     FirstMomentBiasRestart,
     MimeLite,
     bench_options,
@@ -223,7 +224,7 @@ def test_mime_lite_sites_step_from_the_servers_moments_which_only_the_server_upd
     def site(mime, batches, examples, steps):
         linear = torch.nn.Linear(1, 1, bias=False)
         torch.nn.init.zeros_(linear.weight)
-        optimizer = torch.optim.AdamW([linear.weight], lr=0.1, betas=(0.9, 0.98), weight_decay=0.0)
+        optimizer = torch.optim.AdamW([linear.weight], lr=0.1, betas=(0.5, 0.5), weight_decay=0.0)  # MimeLite's rule
         moves = []
 
         def train_local(model, loader, *, optimizer, loss_fn, device):
@@ -240,17 +241,37 @@ def test_mime_lite_sites_step_from_the_servers_moments_which_only_the_server_upd
         return moves, {"num-examples": examples}
 
     for second, v in (("batch-squares", 0.02 * 13.25), ("mean-gradient", 0.02 * 3.5**2)):
-        mime = MimeLite(second)
+        mime = MimeLite(second, (0.9, 0.98))
         first_round = [site(mime, [1.0, 3.0], 1, 1), site(mime, [4.0, 4.0], 3, 1)]
         assert [moves for moves, _ in first_round] == [[pytest.approx(0.1)], [pytest.approx(0.1)]]  # fresh AdamW
-        mime.update([weights for _, weights in first_round], (0.9, 0.98))
+        mime.update([weights for _, weights in first_round])
         assert mime.first[0].item() == pytest.approx(0.35) and mime.second[0].item() == pytest.approx(v)
         moves, _ = site(mime, [1.0], 1, 2)
         m_hat, v_hat = (0.9 * 0.35 + 0.1) / (1 - 0.9**2), (0.98 * v + 0.02) / (1 - 0.98**2)
         assert moves == [pytest.approx(0.1 * m_hat / v_hat**0.5, rel=1e-5)] * 2
         assert mime.first[0].item() == pytest.approx(0.35) and mime.updates == 1
     with pytest.raises(ValueError, match="bench.mime-lite"):
-        MimeLite("both")
+        MimeLite("both", (0.9, 0.98))
+
+
+def test_block_adamw_scales_each_row_by_its_mean_squared_gradient_and_each_vector_as_a_whole():
+    # First step, no weight decay: m_hat = g and v_hat = the block's mean of g^2. Rows [1, 3] and [2, 2] have mean
+    # squares 5 and 4, so they move by lr * [1, 3] / sqrt(5) and lr * [1, 1]; the vector [3, 4] is one block
+    # (mean square 12.5). AdamW would move every one of these weights by lr. Decoupled weight decay shrinks a
+    # weight by lr * wd first.
+    matrix, vector = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = BlockAdamW([{"params": [matrix], "weight_decay": 0.0}, {"params": [vector], "weight_decay": 0.0}],
+                           lr=0.1, betas=(0.9, 0.98))
+    matrix.grad, vector.grad = torch.tensor([[1.0, 3.0], [2.0, 2.0]]), torch.tensor([3.0, 4.0])
+    optimizer.step()
+    assert torch.allclose(-matrix, 0.1 * torch.tensor([[1 / 5**0.5, 3 / 5**0.5], [1.0, 1.0]]), rtol=1e-5)
+    assert torch.allclose(-vector, 0.1 * torch.tensor([3.0, 4.0]) / 12.5**0.5, rtol=1e-5)
+    decayed = torch.nn.Parameter(torch.ones(1, 1))
+    BlockAdamW([decayed], lr=0.1, betas=(0.9, 0.98), weight_decay=0.5).step()  # no gradient: untouched
+    assert decayed.item() == 1.0
+    decayed.grad = torch.ones(1, 1)
+    BlockAdamW([decayed], lr=0.1, betas=(0.9, 0.98), weight_decay=0.5).step()
+    assert decayed.item() == pytest.approx(1 * (1 - 0.05) - 0.1, rel=1e-6)
 
 
 def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
