@@ -207,6 +207,8 @@ TRIALS = [
     ("centralized-e1-r60-block-v", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
     ("centralized-e1-r60-block-v-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                           "bench.block-second-moment": True, "bench.optimizer-reset-steps": 6}),
+    # Twice the budget as two local epochs a round: 12 steps between the sites' AdamW restarts, as many rounds.
+    *[(f"{method}-e2-r60", method, {"num-server-rounds": 60, "local-epochs": 2}) for method in ("fednca", "centralized")],
     # The LADM's token count at the run budget: 4 x 4 and 16 x 16 tokens at 32 px against the default 8 x 8.
     *[(f"{method}-e1-r60-side{side}", method, {"num-server-rounds": 60, "local-epochs": 1, "feature-side": side})
       for side in (4, 16) for method in ("fednca", "centralized")],
@@ -700,14 +702,23 @@ def hold_then_decay(decay_share: float):
     return after_warmup(lambda step, steps: min(1.0, (steps - step) / max(1, round(decay_share * steps))))
 
 
-def sgd_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
-    """`bench.local-sgd`: FedNCA-ML's optimiser with SGD (momentum 0.9, the AdamW schedule, weight decay 5e-4 on
-    the parameters AdamW decays: coupled L2 at an SGD lr would be ~20x AdamW's 0.01) in place of AdamW;
-    `fednca.lr` is then the SGD learning rate."""
-    adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
-    optimizer = torch.optim.SGD([{"params": group["params"], "weight_decay": 5e-4 if group["weight_decay"] else 0.0}
-                                 for group in adamw.param_groups], lr=lr, momentum=0.9)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+def with_fednca_schedule(make_optimizer: Callable[[list[dict], float, tuple[float, float]], torch.optim.Optimizer]):
+    """FedNCA-ML's optimiser builder (its parameter groups, weight decay and lr schedule) with
+    `make_optimizer(adamw_param_groups, lr, betas)` in place of AdamW, at the sites and in the bound alike."""
+
+    def build(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
+        adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
+        optimizer = make_optimizer(adamw.param_groups, lr, betas)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+
+    return build
+
+
+# `bench.local-sgd`: SGD (momentum 0.9, weight decay 5e-4 on the parameters AdamW decays: coupled L2 at an SGD lr
+# would be ~20x AdamW's 0.01); `fednca.lr` is then the SGD learning rate.
+sgd_with_fednca_schedule = with_fednca_schedule(lambda groups, lr, betas: torch.optim.SGD(
+    [{"params": group["params"], "weight_decay": 5e-4 if group["weight_decay"] else 0.0} for group in groups],
+    lr=lr, momentum=0.9))
 
 
 class BlockAdamW(torch.optim.Optimizer):
@@ -746,13 +757,9 @@ class BlockAdamW(torch.optim.Optimizer):
                 p.addcdiv_(state["exp_avg"], denominator.expand_as(p), value=-group["lr"] / (1 - beta1**t))
 
 
-def block_adamw_with_fednca_schedule(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
-    """`bench.block-second-moment`: FedNCA-ML's optimiser (its parameter groups, weight decay and schedule) with
-    `BlockAdamW` in place of AdamW, at the sites and in the bound alike."""
-    adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
-    optimizer = BlockAdamW([{"params": group["params"], "weight_decay": group["weight_decay"]} for group in adamw.param_groups],
-                           lr=lr, betas=betas)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+# `bench.block-second-moment`: BlockAdamW with AdamW's parameter groups.
+block_adamw_with_fednca_schedule = with_fednca_schedule(lambda groups, lr, betas: BlockAdamW(
+    [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in groups], lr=lr, betas=betas))
 
 
 # `bench.cosine-decay`: the same warm-up, then a cosine decay to 0 in place of the linear one.
