@@ -207,6 +207,12 @@ TRIALS = [
     ("centralized-e1-r60-block-v", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
     ("centralized-e1-r60-block-v-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                           "bench.block-second-moment": True, "bench.optimizer-reset-steps": 6}),
+    # With AdamW's memory the sites fit their own images and the average learns nothing: does FedProx's pull
+    # towards the round's global weights keep the memory's larger steps from drifting apart?
+    *[(f"fednca-e1-r60-adam-averaged-prox{mu:g}", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                             "fednca.keep-optimizer-state": True,
+                                                             "bench.average-optimizer-state": "both", "bench.proximal-mu": mu})
+      for mu in (0.1, 1.0)],
     # Twice the budget as two local epochs a round: 12 steps between the sites' AdamW restarts, as many rounds.
     *[(f"{method}-e2-r60", method, {"num-server-rounds": 60, "local-epochs": 2}) for method in ("fednca", "centralized")],
     # The LADM's token count at the run budget: 4 x 4 and 16 x 16 tokens at 32 px against the default 8 x 8.
@@ -502,7 +508,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
-                first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False) -> dict:
+                first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
+                proximal_mu: float = 0.0) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
@@ -512,7 +519,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
     so all sites start the next round from the same moments; `mime_lite` trains the sites on the server's frozen
     AdamW moments (`MimeLite`), with AdamW's betas raised to the power of a round's local steps where
-    `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's)."""
+    `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's);
+    `proximal_mu` gives a FedNCA-ML site FedProx's proximal term (FedProx itself takes the run's `proximal-mu`)."""
     device = torch.device("cpu")
     trace = {"val_auc_by_round": []}
     if cfg.method == "centralized":
@@ -535,7 +543,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         return trace
     state = model.state_dict()
     stores = [DictStore() for _ in sites]
-    mu = cfg.proximal_mu if cfg.method == "fedprox" else 0.0
+    mu = cfg.proximal_mu if cfg.method == "fedprox" else proximal_mu
     etf_array = etf.numpy() if etf is not None else None
     parameter_names = [name for name, _ in model.named_parameters()]
     velocity: dict[str, torch.Tensor] = {}
@@ -815,13 +823,14 @@ def bench_options(options: dict):
     ("batch-squares" or "mean-gradient") trains the sites on AdamW moments the server holds and updates once a
     round from gradients at the global weights (`MimeLite`; `bench.mime-round-betas`: with AdamW's betas to the
     power of a round's local steps); `bench.block-second-moment` replaces AdamW by `BlockAdamW` (one second moment
-    per block of weights) at the sites and in the bound."""
+    per block of weights) at the sites and in the bound; `bench.proximal-mu` adds FedProx's proximal term to a
+    FedNCA-ML site's loss."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
-             "bench.block-second-moment"}
+             "bench.block-second-moment", "bench.proximal-mu"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -898,7 +907,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
                         options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
                         options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
-                        options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False))
+                        options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
+                        options.get("bench.proximal-mu", 0.0))
     return {**diagnose(model, sites, data), **trace}
 
 
