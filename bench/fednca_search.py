@@ -430,10 +430,9 @@ class MimeLite:
     by example count: m <- b1 m + (1-b1) g_avg, and v from the sites' mean squared batch gradients
     (`second_moment = "batch-squares"`, what central AdamW's v tracks) or from g_avg^2 (`"mean-gradient"`, the
     paper's update with full-batch gradients). Memory across rounds, like the bound's AdamW, but the moments are
-    measured at the global weights and fixed during local steps, so no site's own fitting enters them. Round 1,
-    before the server holds moments, is a plain fresh AdamW. `betas` serve the server's update and the local
-    steps alike (the paper's choice: one server update counts as one step); `train` is the local training loop
-    it wraps."""
+    measured at the global weights and fixed during local steps, so no site's own fitting enters them. `betas`
+    serve the server's update and the local steps alike, as in the paper; round 1, before the server holds
+    moments, is a plain fresh AdamW with them. `train` is the local training loop it wraps."""
 
     def __init__(self, second_moment: str, betas: tuple[float, float], train: Callable = train_local):
         if second_moment not in ("batch-squares", "mean-gradient"):
