@@ -510,7 +510,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
                 proximal_mu: float = 0.0) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
-    trace: `probe(model)` (validation macro-AUC) after every round, and for federated methods the mean probe
+    trace: `probe(model)` (validation macro-AUC) and the training loss after every round (the bound's over its
+    epoch; the sites' over their local training, weighted by example count), and for federated methods the mean probe
     of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
     (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
     moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
@@ -521,7 +522,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's);
     `proximal_mu` gives a FedNCA-ML site FedProx's proximal term (FedProx itself takes the run's `proximal-mu`)."""
     device = torch.device("cpu")
-    trace = {"val_auc_by_round": []}
+    trace = {"val_auc_by_round": [], "train_loss_by_round": []}
     if cfg.method == "centralized":
         images = np.concatenate([s.train_images for s in sites])
         labels = np.concatenate([s.train_labels for s in sites])
@@ -536,9 +537,10 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset, refill)
                        if optimizer_reset_steps else None)
         for _ in range(cfg.num_server_rounds):
-            train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
-                        loss_fn=loss_fn, device=device, before_step=before_step)
+            stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
+                                loss_fn=loss_fn, device=device, before_step=before_step)
             trace["val_auc_by_round"].append(probe(model))
+            trace["train_loss_by_round"].append(round(float(stats["train_loss"]), 4))
         return trace
     state = model.state_dict()
     stores = [DictStore() for _ in sites]
@@ -573,6 +575,10 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names, server_lr)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
         trace["val_auc_by_round"].append(probe(model))
+        # What a Flower run logs as the round's train loss: the sites' running losses, weighted by example count.
+        examples = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
+        losses = np.array([metrics["train_loss"] for _, metrics in updates], dtype=np.float64)
+        trace["train_loss_by_round"].append(round(float(losses @ examples / examples.sum()), 4))
     site_model = copy.deepcopy(model)
     site_scores = []
     for update, _ in updates:
