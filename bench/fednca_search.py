@@ -46,6 +46,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -201,7 +202,6 @@ TRIALS = [
     # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
-    # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
     # One second moment per block of weights (BlockAdamW): does an optimiser whose restart costs little close the gap?
     ("fednca-e1-r60-block-v", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
     ("centralized-e1-r60-block-v", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.block-second-moment": True}),
@@ -224,6 +224,7 @@ TRIALS = [
     # The same memory in local steps: beta^6 per round (175-190 images at batch 32) remembers what beta per step does.
     ("fednca-e1-r60-mime-round-betas", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                    "bench.mime-lite": "batch-squares", "bench.mime-round-betas": True}),
+    # Augmentation at the sites and in the bound alike: does it narrow the gap that local overfitting opens?
     ("fednca-e1-r60-shift", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     ("centralized-e1-r60-shift", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "augment": "shift"}),
     # Memory lets the sites fit their images (AdamW kept or averaged); does augmentation keep that from over-fitting?
@@ -492,17 +493,6 @@ def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[di
     return {k: v.float() for k, v in shared.items()}
 
 
-@contextlib.contextmanager
-def patched(module, name: str, value):
-    """`module.name` set to `value` inside the block."""
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
 def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
                 server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
@@ -556,7 +546,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     for server_round in range(1, cfg.num_server_rounds + 1):
         with contextlib.ExitStack() as patches:
             if mime is not None:
-                patches.enter_context(patched(client_tasks, "train_local", mime.train_local))
+                patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
             updates = [
                 train_site(cfg, site, state, server_round=server_round, proximal_mu=mu, etf=etf_array, site_state=stores[k])
                 for k, site in enumerate(sites)
