@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from bench.compare import parse_run_config
+from bench.gpu_check import DeviceClock, steady_rate
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
@@ -341,6 +342,24 @@ def generator_step_cost(sides: list[int], channels: int, steps: int) -> list[dic
     return rows
 
 
+def calibrated_generator_images(cfg: RunConfig, site: SiteData, seconds: float, device: torch.device,
+                                steps: int = 15, warmup: int = 5) -> dict:
+    """factory.generator-images that trains the site's first planned generator in about `seconds` on
+    `device`: its steady images/s over `steps` training steps of its own configuration and class images
+    (after `warmup` steps of CUDA context and autotuning), times the seconds, in whole batches. A search
+    on a GPU gets a budget by wall time this way; the result names the images, so a run repeats it."""
+    planned = site_plan(cfg, site)[0]
+    images = site.train_images[np.isin(site.train_labels, planned.classes)]
+    probe = dataclasses.replace(planned.config, total_images=planned.config.batch_size * steps)
+    clock, step_ends = DeviceClock(device), []
+    train_generator(images, None, probe, progress=lambda *_: step_ends.append(clock.now()), device=device)
+    rate = steady_rate(step_ends, warmup, probe.batch_size)
+    batches = max(1, int(seconds * rate) // probe.batch_size)
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "batch": probe.batch_size, "images_per_s": rate, "seconds_per_generator": seconds,
+            "generator_images": batches * probe.batch_size}  # fmt: skip
+
+
 def summary_table(results: list[dict]) -> str:
     """Mean ± sd over seeds per variant."""
     columns = ("accuracy", "balanced_accuracy", "ratio_to_centralised", "min_class_recall", "centralised_accuracy",
@@ -411,6 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bound-only", action="store_true", help="instead of a search: train only the centralised "
                         "bound of --base per seed (no generators; writes OUT/bound.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--generator-seconds", type=float, default=0.0, help="set factory.generator-images in --base "
+                        "so that each generator trains about this many seconds on this device (measured on site 0's "
+                        "first generator of the first seed; written to OUT/generator-calibration.json)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -433,6 +455,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.variant:
         raise SystemExit("--variant is required (or --step-cost, --across, --bound-only)")
+    if args.generator_seconds > 0:
+        cfg = RunConfig.from_run_config({"method": "factory", **base, "seed": int(args.seeds.split(",")[0])})
+        calibration = calibrated_generator_images(cfg, simulated_site(cfg, 0, args.num_sites), args.generator_seconds,
+                                                  pick_device(cfg.device))  # fmt: skip
+        (args.out / "generator-calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
+        print(f"generator calibration: {json.dumps(calibration)}", flush=True)
+        base["factory.generator-images"] = calibration["generator_images"]
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["variant"], r["seed"]) for r in results}

@@ -161,3 +161,14 @@ def test_the_bound_alone_trains_no_generator(tmp_path, monkeypatch):
     bounds = json.loads((tmp_path / "bound.json").read_text())
     assert [(b["seed"], b["epochs"]) for b in bounds] == [(0, 1), (1, 1)]
     assert all(0.0 <= b["accuracy"] <= 1.0 for b in bounds)
+
+
+def test_a_budget_in_seconds_becomes_whole_batches_of_the_measured_images_per_second():
+    cfg = RunConfig.from_run_config({**factory_search.SILOS, "dataset": "digits", **parse_run_config(TINY), "method": "factory", "seed": 0})
+    site = simulated_site(cfg, 0, 3)
+    timed = factory_search.calibrated_generator_images(cfg, site, 30.0, torch.device("cpu"), steps=4, warmup=1)
+    batch = timed["batch"]
+    assert batch == factory_search.site_plan(cfg, site)[0].config.batch_size
+    assert timed["generator_images"] == int(30.0 * timed["images_per_s"]) // batch * batch > 0
+    # A budget shorter than one step still trains one batch.
+    assert factory_search.calibrated_generator_images(cfg, site, 1e-9, torch.device("cpu"), steps=4, warmup=1)["generator_images"] == batch

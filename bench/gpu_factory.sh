@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# FederatedFactory on the textured shapes, on one CUDA GPU: what the CPU cannot train in reasonable time.
+#
+#   bash bench/gpu_factory.sh OUT SEARCH [SECONDS_PER_GENERATOR]
+#
+# SEARCH is one in-process search (bench.factory_search) of 10 single-class silos, seed 0, the server
+# classifier at 20 and at 60 epochs against the same small CNN trained 60 epochs on the pooled real images:
+#   gpu32px   32 px, the paper's generator architecture (factory.generator='gpu-32px': 128 channels,
+#             4 levels, 3 blocks, ~50 M parameters), each generator trained SECONDS_PER_GENERATOR
+#             seconds (default 18; --generator-seconds sets factory.generator-images from the measured
+#             images/s; the paper trains 25 M images);
+#   cpu64ch   32 px, the CPU preset four times as wide (factory.generator-channels=64), the same seconds;
+#   preset64  64 px, every key at its default (the CPU preset: 4.7 CPU hours a library on a 2-core machine);
+#   all       the three side by side on the one GPU (they then share it: each runs slower than alone).
+# Each search writes OUT/<name>/ (results.json, results.md, sample grids, generator-calibration.json) and
+# OUT/<name>.log, and is stopped after SEARCH_TIMEOUT_S seconds (default 480); OUT/factory-gpu.tar.gz
+# holds every search's folder without the generator weights.
+set -u
+out=${1:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|all [SECONDS_PER_GENERATOR]}
+which=${2:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|all [SECONDS_PER_GENERATOR]}
+seconds=${3:-18}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/gpu.txt" 2>&1
+common=(--dataset shapes --seeds 0 --threads 4 --bound-epochs 60
+        --variant "epochs-20:" --variant "epochs-60: factory.classifier-epochs=60")
+search() {  # NAME, then factory_search arguments
+    local name=$1
+    shift
+    PYTHONUNBUFFERED=1 timeout "${SEARCH_TIMEOUT_S:-480}" python3 -m bench.factory_search "${common[@]}" "$@" \
+        --out "$out/$name" >"$out/$name.log" 2>&1
+    echo "$name: exit $?" >>"$out/gpu.txt"
+}
+gpu32px() { search shapes-32px-gpu32px-seed0 --image-size 32 --base "factory.generator='gpu-32px'" --generator-seconds "$seconds"; }
+cpu64ch() { search shapes-32px-cpu64ch-seed0 --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds"; }
+preset64() { search shapes-64px-preset-seed0 --image-size 64; }
+case $which in
+    gpu32px | cpu64ch | preset64) $which ;;
+    all) gpu32px & cpu64ch & preset64 & wait ;;
+    *) echo "SEARCH must be gpu32px, cpu64ch, preset64 or all, got '$which'" >&2; exit 2 ;;
+esac
+(cd "$out" && tar -czf factory-gpu.tar.gz --exclude=generators shapes-*-seed0)
+cat "$out/gpu.txt"
