@@ -9,7 +9,9 @@ variant, on the exact sites a `flwr run` would simulate (single-class silos by d
 Every variant is a run-config overlay on --base; `method='factory-p2p'` evaluates the sites' experts and
 their Product of Experts (a factory-p2p run's final round) instead of the server's classifier, and
 `bench.match-experts=true` (an ablation, not a run-config key) matches the experts' synthetic images to
-the sites' histograms as factory.match-intensity does the server's. Sites train their generators with
+the sites' histograms as factory.match-intensity does the server's, and `bench.guide-steps=S
+bench.guidance-weight=W` (an ablation: autoguidance, Karras et al. 2024) has every site also train a guide
+per class, the CPU preset's width at S steps, that the server's sampler is guided by with weight W. Sites train their generators with
 fedskew.factory.site (cached under OUT/generators/, keyed by the settings that shape a generator, so
 variants that differ only on the server's side reuse them); the server synthesises, trains its
 classifier (fedskew.factory.classifier) and, with factory.site-validation, asks the sites' validation
@@ -145,13 +147,33 @@ def uploaded_library(cfg: RunConfig, library: Library, directory: Path) -> tuple
     return dataclasses.replace(library, modules=tuple(kept)), uploaded
 
 
-def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device) -> SyntheticSet:
-    """The server's class-balanced synthetic set, cached next to the library it was drawn from."""
+@dataclasses.dataclass(frozen=True)
+class Autoguidance:
+    """The `bench.guide-steps` / `bench.guidance-weight` ablation: every site also trains a guide per class,
+    the CPU preset's width (factory.generator-channels=0) at `steps` steps, and the server samples
+    guide + weight x (generator - guide)."""
+
+    cfg: RunConfig  # the run config the guides train under
+    weight: float
+
+    @staticmethod
+    def from_settings(settings: dict) -> Autoguidance | None:
+        steps, weight = int(settings.pop("bench.guide-steps", 0)), float(settings.pop("bench.guidance-weight", 1.0))
+        if not steps:
+            return None
+        return Autoguidance(RunConfig.from_run_config({**settings, "factory.generator-channels": 0, "factory.generator-steps": steps}), weight)
+
+
+def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device,
+                         guides: tuple[Library, Path, float] | None = None) -> SyntheticSet:
+    """The server's class-balanced synthetic set, cached next to the library it was drawn from; `guides`:
+    the guide library, its directory and the guidance weight."""
     samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
-    path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps-seed{cfg.seed}.safetensors"
+    guided = f"-guide{guides[1].name}-w{guides[2]:g}" if guides else ""
+    path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps{guided}-seed{cfg.seed}.safetensors"
     if path.is_file():
         return load_synthetic(path)
-    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device, *((guides[0], guides[2]) if guides else ()))
     save_synthetic(synthetic, path)
     return synthetic
 
@@ -250,7 +272,7 @@ def summed_histograms(sites: list[SiteData], num_classes: int) -> np.ndarray:
 
 
 def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False,
-                bound_epochs: int = 0) -> dict:
+                bound_epochs: int = 0, autoguidance: Autoguidance | None = None) -> dict:
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
@@ -271,15 +293,20 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
             "min_class_recall": min(p2p["poe"]["per_class_recall"]), "generator_seconds": generator_seconds,
             **{k: p2p[k] for k in ("best_epoch", "last_epoch", "classifier_seconds", "experts")},
         }  # fmt: skip
+    guides, guide_seconds = None, 0.0
+    if autoguidance is not None:
+        guide_library, guide_dir, guide_seconds = site_library(autoguidance.cfg, sites, out / "generators", device)
+        guides = (guide_library, guide_dir, autoguidance.weight)
     start = time.perf_counter()
-    synthetic = server_synthetic_set(cfg, library, library_dir, device)
+    synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)
     if cfg.factory.match_intensity:
         histograms = summed_histograms(sites, library.num_classes)
         synthetic = dataclasses.replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, histograms))
     synthesis_seconds = time.perf_counter() - start
     matched = "-matched" if cfg.factory.match_intensity else ""
     samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
-    grids = out / "samples" / f"{library_dir.name}-{samples}x-{cfg.factory.sampler_steps}steps{matched}-seed{cfg.seed}"
+    guided = f"-guide{guides[1].name}-w{guides[2]:g}" if guides else ""
+    grids = out / "samples" / f"{library_dir.name}-{samples}x-{cfg.factory.sampler_steps}steps{guided}{matched}-seed{cfg.seed}"
     if not grids.is_dir():  # variants that share the synthetic set share its grids
         save_class_grids(synthetic, grids)
     checkpoints = {} if cfg.factory.site_validation else None
@@ -307,7 +334,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         "ratio_to_centralised": metrics["accuracy"] / reference_metrics["accuracy"],
         "min_class_recall": min(metrics["per_class_recall"]), "best_epoch": stats["best_epoch"],
         "last_epoch": stats["last_epoch"], "synthetic_val_accuracy": stats["val_accuracy"],
-        "generator_seconds": generator_seconds, "synthesis_seconds": synthesis_seconds,
+        "generator_seconds": generator_seconds, "guide_seconds": guide_seconds, "synthesis_seconds": synthesis_seconds,
         "classifier_seconds": classifier_seconds, "site_validation": site_report, "samples": str(grids),
         "fd": mean_over_classes(fidelity)["fd"], "fd_floor": mean_over_classes(fidelity)["fd_floor"],
         "fidelity_per_class": fidelity,
@@ -472,8 +499,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             settings = {"method": "factory", **base, "seed": seed, **overlay}
             match_experts = bool(settings.pop("bench.match-experts", False))
+            autoguidance = Autoguidance.from_settings(settings)
             cfg = RunConfig.from_run_config(settings)
-            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs)
+            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs, autoguidance)
             result["run_config"] = {**base, **overlay}
             results.append(result)
             path.write_text(json.dumps(results, indent=1) + "\n")

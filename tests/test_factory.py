@@ -572,3 +572,26 @@ def test_unlearning_in_p2p_drops_the_expert_and_refuses_to_split_a_conditional_m
     assert report["p2p"]["dropped_experts"] == [1] and report["forgotten_modules"] == ["site1"]
     with pytest.raises(ValueError, match="no module of site 7"):
         unlearn(p2p_run, site=7, out=tmp_path / "none")
+
+
+def test_autoguidance_at_weight_one_is_the_generator_and_at_zero_the_guide():
+    """D = guide + w (generator - guide): the same noise gives the generator's images at w = 1 and the guide's
+    at w = 0; each module is guided by the guide of its own site and classes."""
+    from fedskew.factory.library import synthesise
+
+    def trained_looking(module: GeneratorModule, seed: int) -> GeneratorModule:
+        # A new EDM2 network's output layer is zero, so every untrained module denoises alike: perturb them all.
+        rng = torch.Generator().manual_seed(seed)
+        state = {k: v + 0.3 * torch.randn(v.shape, generator=rng) if v.is_floating_point() else v for k, v in module.state.items()}
+        return dataclasses.replace(module, state=state, checksum=state_dict_checksum(state))
+
+    library = Library((trained_looking(make_module(0, 1), 1), trained_looking(make_module(1, 2), 2)), 10, (1, 8, 8), tuple("0123456789"))
+    guides = dataclasses.replace(library, modules=(trained_looking(make_module(1, 2), 4), trained_looking(make_module(0, 1), 3)))
+    plan = sampling_plan(library, 6, seed=0)
+    draw = {"steps": 3, "batch_size": 4, "device": torch.device("cpu"), "progress": False}
+    plain, of_guides = synthesise(library, plan, **draw).images, synthesise(guides, plan, **draw).images
+    assert not np.allclose(plain, of_guides)
+    np.testing.assert_allclose(synthesise(library, plan, guides=guides, guidance_weight=1.0, **draw).images, plain, atol=1e-6)
+    np.testing.assert_allclose(synthesise(library, plan, guides=guides, guidance_weight=0.0, **draw).images, of_guides, atol=1e-6)
+    with pytest.raises(KeyError, match="no guide for site0-class1"):
+        synthesise(library, plan, guides=dataclasses.replace(guides, modules=guides.modules[:1]), **draw)

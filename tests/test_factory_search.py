@@ -172,3 +172,14 @@ def test_a_budget_in_seconds_becomes_whole_batches_of_the_measured_images_per_se
     assert timed["generator_images"] == int(30.0 * timed["images_per_s"]) // batch * batch > 0
     # A budget shorter than one step still trains one batch.
     assert factory_search.calibrated_generator_images(cfg, site, 1e-9, torch.device("cpu"), steps=4, warmup=1)["generator_images"] == batch
+
+
+def test_the_autoguidance_ablation_trains_a_guide_library_and_samples_from_it(tmp_path):
+    base = TINY.replace("method='factory-p2p'", "factory.samples-per-class=12")
+    main(["--dataset", "digits", "--num-sites", "3", "--seeds", "0", "--base", base, "--variant", "plain:",
+          "--variant", "guided: bench.guide-steps=2 bench.guidance-weight=2", "--out", str(tmp_path)])  # fmt: skip
+    plain, guided = json.loads((tmp_path / "results.json").read_text())
+    assert plain["guide_seconds"] == 0 < guided["guide_seconds"]
+    assert len(list((tmp_path / "generators").glob("*/manifest.json"))) == 2  # the generators and their guides
+    assert "-guide" in guided["samples"] and "-guide" not in plain["samples"]
+    assert guided["fd"] != plain["fd"]  # drawn from other images

@@ -35,7 +35,7 @@ from safetensors.numpy import save_file as save_numpy_file  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
 from fedskew.config import FactorySection  # noqa: E402
-from fedskew.models.edm2 import GeneratorConfig, Precond, sample  # noqa: E402
+from fedskew.models.edm2 import GeneratorConfig, Guidance, Precond, sample  # noqa: E402
 from fedskew.progress import ProgressReporter  # noqa: E402
 from fedskew.factory.parallel import run_side_by_side, worker_count  # noqa: E402
 from fedskew.models.generator_io import (  # noqa: E402
@@ -520,16 +520,20 @@ class SyntheticSet:
 
 
 def draw_module_images(
-    module: GeneratorModule, jobs: Sequence[SampleJob], steps: int, batch_size: int, device: torch.device
+    module: GeneratorModule, jobs: Sequence[SampleJob], steps: int, batch_size: int, device: torch.device,
+    guide: GeneratorModule | None = None, guidance_weight: float = 1.0,
 ) -> list[np.ndarray]:
     """The images of each of `jobs` (all draws from `module`, each of count >= 1 as `sampling_plan` makes
     them), in order. A draw's noise comes in chunks of NOISE_CHUNK images seeded from the draw's seed, so
-    its images depend on neither batch_size nor the other draws."""
+    its images depend on neither batch_size nor the other draws. With a `guide` (a weaker generator of the
+    same classes) the sampler follows guide + guidance_weight x (module - guide): autoguidance (Karras et
+    al. 2024)."""
     model = module.model(device)
+    guidance = Guidance(guide.model(device), guidance_weight) if guide is not None else None
     return [
         np.concatenate([
             sample(model, min(NOISE_CHUNK, job.count - start), labels=job.class_id if module.conditional else None, steps=steps,
-                   seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device)
+                   seed=derived_seed(job.seed, chunk), batch_size=batch_size, device=device, guidance=guidance)
             for chunk, start in enumerate(range(0, job.count, NOISE_CHUNK))
         ])
         for job in jobs
@@ -545,10 +549,13 @@ def synthesise(
     device: torch.device,
     parallel: int = 1,
     progress: bool = True,
+    guides: Library | None = None,
+    guidance_weight: float = 1.0,
 ) -> SyntheticSet:
     """Run every draw of the plan on `device`, one module's draws per job of worker processes, as many as
     `parallel` (factory.parallel-generators; 0 = automatic) allows (fedskew.factory.parallel: the same images
-    as one process at the same threads per module), with progress lines unless `progress` is False."""
+    as one process at the same threads per module), with progress lines unless `progress` is False. With
+    `guides`, each module is autoguided by the guide of its site and classes (`draw_module_images`)."""
     if not jobs:
         raise ValueError("the sampling plan is empty: the library covers no class")
     by_module: dict[str, list[int]] = {}
@@ -563,7 +570,8 @@ def synthesise(
         if report is not None:
             report(done, total)
 
-    work = [(library.module(m), [jobs[i] for i in indices], steps, batch_size, device) for m, indices in by_module.items()]
+    work = [(library.module(m), [jobs[i] for i in indices], steps, batch_size, device, guide_of(library.module(m), guides), guidance_weight)
+            for m, indices in by_module.items()]  # fmt: skip
     drawn = run_side_by_side(draw_module_images, work, worker_count(parallel, len(work), device), on_result=count_done)
     by_job = {i: job_images for indices, module_images in zip(by_module.values(), drawn) for i, job_images in zip(indices, module_images)}
     images = [by_job[i] for i in range(len(jobs))]
@@ -572,13 +580,24 @@ def synthesise(
     return SyntheticSet(np.concatenate(images), np.concatenate(labels), np.concatenate(source), tuple(jobs))
 
 
-def class_balanced_set(library: Library, factory: FactorySection, seed: int, device: torch.device) -> SyntheticSet:
+def guide_of(module: GeneratorModule, guides: Library | None) -> GeneratorModule | None:
+    """The module of `guides` from the same site for the same classes (None without guides)."""
+    if guides is None:
+        return None
+    for guide in guides.modules:
+        if (guide.site_id, guide.classes) == (module.site_id, module.classes):
+            return guide
+    raise KeyError(f"no guide for {module.module_id} (site {module.site_id}, classes {list(module.classes)})")
+
+
+def class_balanced_set(library: Library, factory: FactorySection, seed: int, device: torch.device,
+                       guides: Library | None = None, guidance_weight: float = 1.0) -> SyntheticSet:
     """The server's training set: factory.samples-per-class images (by image side where it is 0) of every
-    class the library covers."""
+    class the library covers (autoguided by `guides`, see `synthesise`)."""
     plan = sampling_plan(library, factory.server_samples_per_class(library.image_shape[-1]), seed)
     return synthesise(
         library, plan, steps=factory.sampler_steps, batch_size=factory.sample_batch_size, device=device,
-        parallel=factory.parallel_generators,
+        parallel=factory.parallel_generators, guides=guides, guidance_weight=guidance_weight,
     )  # fmt: skip
 
 
