@@ -164,16 +164,26 @@ class Autoguidance:
         return Autoguidance(RunConfig.from_run_config({**settings, "factory.generator-channels": 0, "factory.generator-steps": steps}), weight)
 
 
+@dataclasses.dataclass(frozen=True)
+class Guides:
+    """Trained guides and their weight; `tag` names the synthetic sets and grids drawn with them."""
+
+    library: Library
+    weight: float
+    tag: str
+
+
 def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, device: torch.device,
-                         guides: tuple[Library, Path, float] | None = None) -> SyntheticSet:
-    """The server's class-balanced synthetic set, cached next to the library it was drawn from; `guides`:
-    the guide library, its directory and the guidance weight."""
+                         guides: Guides | None = None) -> SyntheticSet:
+    """The server's class-balanced synthetic set (autoguided by `guides`), cached next to the library it
+    was drawn from."""
     samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
-    guided = f"-guide{guides[1].name}-w{guides[2]:g}" if guides else ""
-    path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps{guided}-seed{cfg.seed}.safetensors"
+    tag = guides.tag if guides else ""
+    path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps{tag}-seed{cfg.seed}.safetensors"
     if path.is_file():
         return load_synthetic(path)
-    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device, *((guides[0], guides[2]) if guides else ()))
+    synthetic = (class_balanced_set(library, cfg.factory, cfg.seed, device, guides.library, guides.weight) if guides
+                 else class_balanced_set(library, cfg.factory, cfg.seed, device))  # fmt: skip
     save_synthetic(synthetic, path)
     return synthetic
 
@@ -296,7 +306,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     guides, guide_seconds = None, 0.0
     if autoguidance is not None:
         guide_library, guide_dir, guide_seconds = site_library(autoguidance.cfg, sites, out / "generators", device)
-        guides = (guide_library, guide_dir, autoguidance.weight)
+        guides = Guides(guide_library, autoguidance.weight, f"-guide{guide_dir.name}-w{autoguidance.weight:g}")
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)
     if cfg.factory.match_intensity:
@@ -305,8 +315,8 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     synthesis_seconds = time.perf_counter() - start
     matched = "-matched" if cfg.factory.match_intensity else ""
     samples = cfg.factory.server_samples_per_class(library.image_shape[-1])
-    guided = f"-guide{guides[1].name}-w{guides[2]:g}" if guides else ""
-    grids = out / "samples" / f"{library_dir.name}-{samples}x-{cfg.factory.sampler_steps}steps{guided}{matched}-seed{cfg.seed}"
+    tag = guides.tag if guides else ""
+    grids = out / "samples" / f"{library_dir.name}-{samples}x-{cfg.factory.sampler_steps}steps{tag}{matched}-seed{cfg.seed}"
     if not grids.is_dir():  # variants that share the synthetic set share its grids
         save_class_grids(synthetic, grids)
     checkpoints = {} if cfg.factory.site_validation else None
@@ -475,15 +485,16 @@ def main(argv: list[str] | None = None) -> None:
         print(table)
         return
     base = {**SILOS, "dataset": args.dataset, "image-size": args.image_size, **parse_run_config(args.base)}
+    seeds = [int(s) for s in args.seeds.split(",")]
     if args.bound_only:
         bounds = [centralised_bound(RunConfig.from_run_config({"method": "factory", **base, "seed": seed}), args.num_sites,
-                                    args.bound_epochs) for seed in (int(s) for s in args.seeds.split(","))]  # fmt: skip
+                                    args.bound_epochs) for seed in seeds]  # fmt: skip
         (args.out / "bound.json").write_text(json.dumps(bounds, indent=1) + "\n")
         return
     if not args.variant:
         raise SystemExit("--variant is required (or --step-cost, --across, --bound-only)")
     if args.generator_seconds > 0:
-        cfg = RunConfig.from_run_config({"method": "factory", **base, "seed": int(args.seeds.split(",")[0])})
+        cfg = RunConfig.from_run_config({"method": "factory", **base, "seed": seeds[0]})
         calibration = calibrated_generator_images(cfg, simulated_site(cfg, 0, args.num_sites), args.generator_seconds,
                                                   pick_device(cfg.device))  # fmt: skip
         (args.out / "generator-calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
@@ -493,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     results = json.loads(path.read_text()) if path.is_file() else []
     done = {(r["variant"], r["seed"]) for r in results}
     references: dict = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in seeds:
         for name, overlay in map(parse_variant, args.variant):
             if (name, seed) in done:
                 continue

@@ -570,8 +570,9 @@ def synthesise(
         if report is not None:
             report(done, total)
 
-    work = [(library.module(m), [jobs[i] for i in indices], steps, batch_size, device, guide_of(library.module(m), guides), guidance_weight)
-            for m, indices in by_module.items()]  # fmt: skip
+    modules = [library.module(m) for m in by_module]
+    work = [(module, [jobs[i] for i in indices], steps, batch_size, device, guide_of(module, guides), guidance_weight)
+            for module, indices in zip(modules, by_module.values())]  # fmt: skip
     drawn = run_side_by_side(draw_module_images, work, worker_count(parallel, len(work), device), on_result=count_done)
     by_job = {i: job_images for indices, module_images in zip(by_module.values(), drawn) for i, job_images in zip(indices, module_images)}
     images = [by_job[i] for i in range(len(jobs))]
