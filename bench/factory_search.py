@@ -53,6 +53,7 @@ from fedskew.factory.library import (
     write_library,
 )
 from fedskew.factory.intensity import class_histograms, match_intensity
+from fedskew.factory.parallel import run_side_by_side
 from fedskew.factory.site import (
     MemorizationRefusal,
     check_memorization,
@@ -88,9 +89,11 @@ def library_key(cfg: RunConfig, num_sites: int) -> str:
                        "seed": cfg.seed, "sites": num_sites, **shaping}, sort_keys=True)  # fmt: skip
 
 
-def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device) -> tuple[Library, Path, float]:
+def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: torch.device,
+                 workers: int = 1) -> tuple[Library, Path, float]:
     """Every site's generators (trained, or read from the cache) as one library, its cache directory, and
-    the seconds spent training."""
+    the seconds spent training. With `workers` > 1 that many sites train side by side in worker processes,
+    each with an equal share of this process's torch threads (as the sites of a run train side by side)."""
     key = library_key(cfg, len(sites))
     directory = cache / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (directory / "manifest.json").is_file():
@@ -98,7 +101,8 @@ def site_library(cfg: RunConfig, sites: list[SiteData], cache: Path, device: tor
     # Each site's generators are kept as soon as they are trained: a search stopped half way resumes there.
     per_site = directory.with_name(directory.name + ".sites")
     start = time.perf_counter()
-    modules = [m for site in sites for m in site_modules(cfg, site, per_site / f"site{site.site_id}", device)]
+    jobs = [(cfg, site, per_site / f"site{site.site_id}", device) for site in sites]
+    modules = [m for trained in run_side_by_side(site_modules, jobs, workers) for m in trained]
     seconds = time.perf_counter() - start
     library = Library(tuple(sorted(modules, key=lambda m: (m.site_id, m.classes))), sites[0].num_classes,
                       tuple(sites[0].train_images.shape[1:]), tuple(sites[0].class_names))  # fmt: skip
@@ -282,11 +286,11 @@ def summed_histograms(sites: list[SiteData], num_classes: int) -> np.ndarray:
 
 
 def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False,
-                bound_epochs: int = 0, autoguidance: Autoguidance | None = None) -> dict:
+                bound_epochs: int = 0, autoguidance: Autoguidance | None = None, site_workers: int = 1) -> dict:
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
-    library, library_dir, generator_seconds = site_library(cfg, sites, out / "generators", device)
+    library, library_dir, generator_seconds = site_library(cfg, sites, out / "generators", device, site_workers)
     library, library_dir = uploaded_library(cfg, library, library_dir)
     ref_key = (cfg.seed, cfg.factory.classifier, bound_epochs or cfg.factory.classifier_epochs, cfg.factory.classifier_patience,
                cfg.factory.augment)
@@ -305,7 +309,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         }  # fmt: skip
     guides, guide_seconds = None, 0.0
     if autoguidance is not None:
-        guide_library, guide_dir, guide_seconds = site_library(autoguidance.cfg, sites, out / "generators", device)
+        guide_library, guide_dir, guide_seconds = site_library(autoguidance.cfg, sites, out / "generators", device, site_workers)
         guides = Guides(guide_library, autoguidance.weight, f"-guide{guide_dir.name}-w{autoguidance.weight:g}")
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)
@@ -467,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bound-only", action="store_true", help="instead of a search: train only the centralised "
                         "bound of --base per seed (no generators; writes OUT/bound.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--site-workers", type=int, default=1, help="sites whose generators train side by side in "
+                        "worker processes, each with --threads / this many torch threads (on a GPU they share it: "
+                        "a small generator leaves it idle between its short kernels)")
     parser.add_argument("--generator-seconds", type=float, default=0.0, help="set factory.generator-images in --base "
                         "so that each generator trains about this many seconds on this device (measured on site 0's "
                         "first generator of the first seed; written to OUT/generator-calibration.json)")
@@ -512,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
             match_experts = bool(settings.pop("bench.match-experts", False))
             autoguidance = Autoguidance.from_settings(settings)
             cfg = RunConfig.from_run_config(settings)
-            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs, autoguidance)
+            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs, autoguidance,
+                                 args.site_workers)
             result["run_config"] = {**base, **overlay}
             results.append(result)
             path.write_text(json.dumps(results, indent=1) + "\n")

@@ -11,18 +11,32 @@
 #             images/s; the paper trains 25 M images);
 #   cpu64ch   32 px, the CPU preset four times as wide (factory.generator-channels=64), the same seconds;
 #   preset64  64 px, every key at its default (the CPU preset: 4.7 CPU hours a library on a 2-core machine);
-#   all       the three side by side on the one GPU (they then share it: each runs slower than alone).
+#   guided16  16 px, the 32-channel 800-step library at lr 0.04 with 1,000 images a class and autoguidance
+#             (bench.guide-steps=200, bench.guidance-weight=2), each alone and together: the seed the CPU
+#             searches of that recipe lack (a 49-minute library on one CPU thread);
+#   all       gpu32px, cpu64ch and preset64.
+# SEARCH may list several, comma-separated: they run side by side on the one GPU (each slower than alone).
+# Within a search, SITE_WORKERS sites (default 5) train their generators side by side in worker processes:
+# a small generator is bound by its kernel launches, so the GPU has room for several.
 # Each search writes OUT/<name>/ (results.json, results.md, sample grids, generator-calibration.json) and
 # OUT/<name>.log, and is stopped after SEARCH_TIMEOUT_S seconds (default 480); OUT/factory-gpu.tar.gz
 # holds every search's folder without the generator weights.
 set -u
-out=${1:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|all [SECONDS_PER_GENERATOR]}
-which=${2:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|all [SECONDS_PER_GENERATOR]}
+out=${1:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|guided16|all|A,B,... [SECONDS_PER_GENERATOR]}
+which=${2:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|guided16|all|A,B,... [SECONDS_PER_GENERATOR]}
 seconds=${3:-18}
+[ "$which" = all ] && which=gpu32px,cpu64ch,preset64
+IFS=, read -ra searches <<<"$which"
+for name in "${searches[@]}"; do
+    case $name in
+        gpu32px | cpu64ch | preset64 | guided16) ;;
+        *) echo "SEARCH must be gpu32px, cpu64ch, preset64, guided16, all or a comma-separated list of them, got '$name'" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/gpu.txt" 2>&1
-common=(--dataset shapes --seeds 0 --threads 4 --bound-epochs 60
+common=(--dataset shapes --seeds 0 --threads 4 --site-workers "${SITE_WORKERS:-5}" --bound-epochs 60
         --variant "epochs-20:" --variant "epochs-60: factory.classifier-epochs=60")
 search() {  # NAME, then factory_search arguments
     local name=$1
@@ -34,10 +48,15 @@ search() {  # NAME, then factory_search arguments
 gpu32px() { search shapes-32px-gpu32px-seed0 --image-size 32 --base "factory.generator='gpu-32px'" --generator-seconds "$seconds"; }
 cpu64ch() { search shapes-32px-cpu64ch-seed0 --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds"; }
 preset64() { search shapes-64px-preset-seed0 --image-size 64; }
-case $which in
-    gpu32px | cpu64ch | preset64) $which ;;
-    all) gpu32px & cpu64ch & preset64 & wait ;;
-    *) echo "SEARCH must be gpu32px, cpu64ch, preset64 or all, got '$which'" >&2; exit 2 ;;
-esac
+guided16() {
+    local guide="bench.guide-steps=200 bench.guidance-weight=2"
+    search shapes-16px-wide32-lr0.04-800steps-seed0 --image-size 16 \
+        --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=800" \
+        --variant "epochs-60+1000x: factory.classifier-epochs=60 factory.samples-per-class=1000" \
+        --variant "epochs-60+guide200-w2: factory.classifier-epochs=60 $guide" \
+        --variant "epochs-60+1000x+guide200-w2: factory.classifier-epochs=60 factory.samples-per-class=1000 $guide"
+}
+for name in "${searches[@]}"; do $name & done
+wait
 (cd "$out" && tar -czf factory-gpu.tar.gz --exclude=generators shapes-*-seed0)
 cat "$out/gpu.txt"

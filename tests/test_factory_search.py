@@ -92,6 +92,22 @@ def test_a_search_stopped_half_way_resumes_from_the_generators_its_sites_finishe
     assert sorted(p.name for p in tmp_path.iterdir()) == [directory.name]  # the per-site entries are gone
 
 
+def test_sites_trained_side_by_side_give_the_library_trained_one_after_another(tmp_path):
+    cfg, sites = _tiny_sites(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # two workers of one thread each, against one thread in turn: the same thread count per generator
+    try:
+        side_by_side, _, _ = factory_search.site_library(cfg, sites, tmp_path / "side-by-side", torch.device("cpu"), workers=2)
+        torch.set_num_threads(1)
+        in_turn, _, _ = factory_search.site_library(cfg, sites, tmp_path / "in-turn", torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert [(m.site_id, m.classes) for m in side_by_side.modules] == [(m.site_id, m.classes) for m in in_turn.modules]
+    for a, b in zip(in_turn.modules, side_by_side.modules, strict=True):
+        for (name, x), y in zip(a.state.items(), b.state.values(), strict=True):
+            assert torch.equal(x, y), (a.site_id, a.classes, name)
+
+
 def test_a_site_with_no_class_to_model_uploads_nothing_and_the_search_goes_on(tmp_path, monkeypatch, capsys):
     cfg, sites = _tiny_sites(3)
     real_plan = factory_search.site_plan
