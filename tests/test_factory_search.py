@@ -13,7 +13,7 @@ from bench import factory_search
 from bench.compare import parse_run_config
 from bench.factory_search import main, summary_table, train_classifier
 from fedskew.config import RunConfig
-from fedskew.data.sites import simulated_site
+from fedskew.data.sites import load_task_dataset, simulated_site
 
 TINY = ("classes-per-site=4 factory.classifier='small-cnn' factory.generator-steps=4 factory.audit-samples=8 factory.sampler-steps=3 "
         "factory.p2p-samples-per-class=12 factory.classifier-epochs=2 method='factory-p2p'")  # fmt: skip
@@ -36,6 +36,11 @@ def test_every_site_trains_an_expert_and_the_product_is_scored_on_the_test_split
     # Balanced accuracy is the mean recall over the test split's classes (digits' test split holds all ten).
     assert p2p["balanced_accuracy"] == pytest.approx(np.mean(p2p["per_class_recall"]))
     assert p2p["ratio_to_centralised"] == pytest.approx(p2p["accuracy"] / p2p["centralised_accuracy"])
+    # The bound's own recall per class, scored on the same test split: its accuracy is their count-weighted mean.
+    bound_recall = np.array(p2p["centralised_per_class_recall"])
+    test_counts = np.bincount(load_task_dataset(RunConfig.from_run_config({**factory_search.SILOS, "method": "factory"})).test_labels, minlength=10)
+    assert len(bound_recall) == 10 and p2p["centralised_min_class_recall"] == bound_recall.min()
+    assert (bound_recall * test_counts).sum() / test_counts.sum() == pytest.approx(p2p["centralised_accuracy"])
 
 
 def test_the_sites_synthetic_images_are_drawn_once_and_reused(search):
