@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_factory.sh OUT SEARCH [SECONDS_PER_GENERATOR]
 #
-# SEARCH is one in-process search (bench.factory_search) of 10 single-class silos, seed 0, the server
+# SEARCH is one in-process search (bench.factory_search) of 10 single-class silos, seed 0 (SEEDS), the server
 # classifier at 20 and at 60 epochs against the same small CNN trained 60 epochs on the pooled real images:
 #   gpu32px   32 px, the paper's generator architecture (factory.generator='gpu-32px': 128 channels,
 #             4 levels, 3 blocks, ~50 M parameters), each generator trained SECONDS_PER_GENERATOR
@@ -11,11 +11,12 @@
 #             images/s; the paper trains 25 M images);
 #   cpu64ch   32 px, the CPU preset four times as wide (factory.generator-channels=64), the same seconds;
 #   preset64  64 px, every key at its default (the CPU preset: 4.7 CPU hours a library on a 2-core machine);
-#   guided16  16 px, the 32-channel 800-step library at lr 0.04 with 1,000 images a class and autoguidance
-#             (bench.guide-steps=200, bench.guidance-weight=2), each alone and together: the seed the CPU
-#             searches of that recipe lack (a 49-minute library on one CPU thread);
+#   guided16  16 px, the 32-channel library at lr 0.04 (GUIDED16_STEPS steps, default 800) with 1,000 images
+#             a class and autoguidance (bench.guide-steps=200, bench.guidance-weight=2), each alone and
+#             together (an 800-step library takes 49 minutes of one CPU thread);
 #   all       gpu32px, cpu64ch and preset64.
 # SEARCH may list several, comma-separated: they run side by side on the one GPU (each slower than alone).
+# SEEDS (default 0) are the seeds every search runs, one after another.
 # Within a search, SITE_WORKERS sites (default 5) train their generators side by side in worker processes:
 # a small generator is bound by its kernel launches, so the GPU has room for several.
 # Each search writes OUT/<name>/ (results.json, results.md, sample grids, generator-calibration.json) and
@@ -33,10 +34,14 @@ for name in "${searches[@]}"; do
         *) echo "SEARCH must be gpu32px, cpu64ch, preset64, guided16, all or a comma-separated list of them, got '$name'" >&2; exit 2 ;;
     esac
 done
+[[ ${SEEDS:-0} =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "SEEDS must be comma-separated integers, got '${SEEDS}'" >&2; exit 2; }
+[[ ${GUIDED16_STEPS:-800} =~ ^[1-9][0-9]*$ ]] || { echo "GUIDED16_STEPS must be a positive integer, got '${GUIDED16_STEPS}'" >&2; exit 2; }
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/gpu.txt" 2>&1
-common=(--dataset shapes --seeds 0 --threads 4 --site-workers "${SITE_WORKERS:-5}" --bound-epochs 60
+seeds=${SEEDS:-0}
+tag=seed${seeds//,/-}
+common=(--dataset shapes --seeds "$seeds" --threads 4 --site-workers "${SITE_WORKERS:-5}" --bound-epochs 60
         --variant "epochs-20:" --variant "epochs-60: factory.classifier-epochs=60")
 search() {  # NAME, then factory_search arguments
     local name=$1
@@ -45,18 +50,18 @@ search() {  # NAME, then factory_search arguments
         --out "$out/$name" >"$out/$name.log" 2>&1
     echo "$name: exit $?" >>"$out/gpu.txt"
 }
-gpu32px() { search shapes-32px-gpu32px-seed0 --image-size 32 --base "factory.generator='gpu-32px'" --generator-seconds "$seconds"; }
-cpu64ch() { search shapes-32px-cpu64ch-seed0 --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds"; }
-preset64() { search shapes-64px-preset-seed0 --image-size 64; }
+gpu32px() { search "shapes-32px-gpu32px-$tag" --image-size 32 --base "factory.generator='gpu-32px'" --generator-seconds "$seconds"; }
+cpu64ch() { search "shapes-32px-cpu64ch-$tag" --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds"; }
+preset64() { search "shapes-64px-preset-$tag" --image-size 64; }
 guided16() {
-    local guide="bench.guide-steps=200 bench.guidance-weight=2"
-    search shapes-16px-wide32-lr0.04-800steps-seed0 --image-size 16 \
-        --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=800" \
+    local guide="bench.guide-steps=200 bench.guidance-weight=2" steps=${GUIDED16_STEPS:-800}
+    search "shapes-16px-wide32-lr0.04-${steps}steps-$tag" --image-size 16 \
+        --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=$steps" \
         --variant "epochs-60+1000x: factory.classifier-epochs=60 factory.samples-per-class=1000" \
         --variant "epochs-60+guide200-w2: factory.classifier-epochs=60 $guide" \
         --variant "epochs-60+1000x+guide200-w2: factory.classifier-epochs=60 factory.samples-per-class=1000 $guide"
 }
 for name in "${searches[@]}"; do $name & done
 wait
-(cd "$out" && tar -czf factory-gpu.tar.gz --exclude=generators shapes-*-seed0)
+compgen -G "$out/shapes-*-$tag/" >/dev/null && (cd "$out" && tar -czf factory-gpu.tar.gz --exclude=generators shapes-*-"$tag")
 cat "$out/gpu.txt"
