@@ -9,9 +9,8 @@ variant, on the exact sites a `flwr run` would simulate (single-class silos by d
 Every variant is a run-config overlay on --base; `method='factory-p2p'` evaluates the sites' experts and
 their Product of Experts (a factory-p2p run's final round) instead of the server's classifier, and
 `bench.match-experts=true` (an ablation, not a run-config key) matches the experts' synthetic images to
-the sites' histograms as factory.match-intensity does the server's, and `bench.guide-steps=S
-bench.guidance-weight=W` (an ablation: autoguidance, Karras et al. 2024) has every site also train a guide
-per class, the CPU preset's width at S steps, that the server's sampler is guided by with weight W. Sites train their generators with
+the sites' histograms as factory.match-intensity does the server's; with `factory.guide-steps` (autoguidance)
+every site's guides are trained and cached as a library of their own. Sites train their generators with
 fedskew.factory.site (cached under OUT/generators/, keyed by the settings that shape a generator, so
 variants that differ only on the server's side reuse them); the server synthesises, trains its
 classifier (fedskew.factory.classifier) and, with factory.site-validation, asks the sites' validation
@@ -58,6 +57,7 @@ from fedskew.factory.site import (
     MemorizationRefusal,
     check_memorization,
     generator_config,
+    guide_config,
     lacking_class_images,
     label_counts,
     p2p_samples_per_class,
@@ -149,23 +149,6 @@ def uploaded_library(cfg: RunConfig, library: Library, directory: Path) -> tuple
     uploaded = directory.with_name(f"{directory.name}-max-memorization-{limit}")
     uploaded.mkdir(exist_ok=True)
     return dataclasses.replace(library, modules=tuple(kept)), uploaded
-
-
-@dataclasses.dataclass(frozen=True)
-class Autoguidance:
-    """The `bench.guide-steps` / `bench.guidance-weight` ablation: every site also trains a guide per class,
-    the CPU preset's width (factory.generator-channels=0) at `steps` steps, and the server samples
-    guide + weight x (generator - guide)."""
-
-    cfg: RunConfig  # the run config the guides train under
-    weight: float
-
-    @staticmethod
-    def from_settings(settings: dict) -> Autoguidance | None:
-        steps, weight = int(settings.pop("bench.guide-steps", 0)), float(settings.pop("bench.guidance-weight", 1.0))
-        if not steps:
-            return None
-        return Autoguidance(RunConfig.from_run_config({**settings, "factory.generator-channels": 0, "factory.generator-steps": steps}), weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +272,7 @@ def summed_histograms(sites: list[SiteData], num_classes: int) -> np.ndarray:
 
 
 def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references: dict, match_experts: bool = False,
-                bound_epochs: int = 0, autoguidance: Autoguidance | None = None, site_workers: int = 1) -> dict:
+                bound_epochs: int = 0, site_workers: int = 1) -> dict:
     device = pick_device(cfg.device)
     sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
     test = load_task_dataset(cfg)
@@ -312,9 +295,10 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
             **{k: p2p[k] for k in ("best_epoch", "last_epoch", "classifier_seconds", "experts")},
         }  # fmt: skip
     guides, guide_seconds = None, 0.0
-    if autoguidance is not None:
-        guide_library, guide_dir, guide_seconds = site_library(autoguidance.cfg, sites, out / "generators", device, site_workers)
-        guides = Guides(guide_library, autoguidance.weight, f"-guide{guide_dir.name}-w{autoguidance.weight:g}")
+    if cfg.factory.guide_steps:  # the guides a run's sites would upload, cached like the generators
+        guide_library, guide_dir, guide_seconds = site_library(guide_config(cfg), sites, out / "generators", device, site_workers)
+        weight = cfg.factory.guidance_weight
+        guides = Guides(guide_library, weight, f"-guide{guide_dir.name}-w{weight:g}")
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)
     if cfg.factory.match_intensity:
@@ -524,10 +508,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             settings = {"method": "factory", **base, "seed": seed, **overlay}
             match_experts = bool(settings.pop("bench.match-experts", False))
-            autoguidance = Autoguidance.from_settings(settings)
             cfg = RunConfig.from_run_config(settings)
-            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs, autoguidance,
-                                 args.site_workers)
+            result = run_variant(cfg, args.num_sites, args.out, name, references, match_experts, args.bound_epochs, args.site_workers)
             result["run_config"] = {**base, **overlay}
             results.append(result)
             path.write_text(json.dumps(results, indent=1) + "\n")

@@ -12,7 +12,7 @@
 #   cpu64ch   32 px, the CPU preset four times as wide (factory.generator-channels=64), the same seconds;
 #   preset64  64 px, every key at its default (the CPU preset: 4.7 CPU hours a library on a 2-core machine);
 #   guided16  16 px, the 32-channel library at lr 0.04 (GUIDED16_STEPS steps, default 800) with 1,000 images
-#             a class and autoguidance (bench.guide-steps=200, bench.guidance-weight=2), each alone and
+#             a class and autoguidance (factory.guide-steps=200, factory.guidance-weight=2), each alone and
 #             together (an 800-step library takes 49 minutes of one CPU thread);
 #   all       gpu32px, cpu64ch and preset64.
 # SEARCH may list several, comma-separated: they run side by side on the one GPU (each slower than alone).
@@ -54,7 +54,7 @@ gpu32px() { search "shapes-32px-gpu32px-$tag" --image-size 32 --base "factory.ge
 cpu64ch() { search "shapes-32px-cpu64ch-$tag" --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds"; }
 preset64() { search "shapes-64px-preset-$tag" --image-size 64; }
 guided16() {
-    local guide="bench.guide-steps=200 bench.guidance-weight=2" steps=${GUIDED16_STEPS:-800}
+    local guide="factory.guide-steps=200 factory.guidance-weight=2" steps=${GUIDED16_STEPS:-800}
     search "shapes-16px-wide32-lr0.04-${steps}steps-$tag" --image-size 16 \
         --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=$steps" \
         --variant "epochs-60+1000x: factory.classifier-epochs=60 factory.samples-per-class=1000" \

@@ -200,6 +200,25 @@ class FactorySection(_Section):
         return self
 
     sampler_steps: int = Field(16, ge=2, le=1000, description="Deterministic Heun sampler steps (the paper: 50).")
+    guide_steps: int = Field(
+        0, ge=0, le=10_000_000, description="Autoguidance (Karras et al. 2024; 0 = off): each site also trains a "
+        "guide per generator, the CPU preset at its own width, for this many steps, audits it and uploads it with "
+        "the generator (a generator whose guide is withheld is withheld with it); the server then draws guide + "
+        "`factory.guidance-weight` x (generator - guide). Method factory only, without DP-SGD."
+    )
+    guidance_weight: float = Field(
+        2.0, ge=1, le=10, description="Autoguidance weight w of `factory.guide-steps` (1 = the generator alone)."
+    )
+
+    @model_validator(mode="after")
+    def _guides_without_dp(self) -> FactorySection:
+        if self.guide_steps > 0 and self.dp_noise_multiplier > 0:
+            raise _field_error(
+                "factory.guide-steps", self.guide_steps, "0 while factory.dp-noise-multiplier is set (a guide trains "
+                "on the same images as its generator; the two DP guarantees would compose, which is not accounted)"
+            )  # fmt: skip
+        return self
+
     sample_batch_size: int = Field(256, ge=1, le=65536, description="Images per sampler batch.")
     samples_per_class: int = Field(
         0, ge=0, le=1_000_000, description="Synthetic images per class on the server (the paper: 10000; 0 = by "
@@ -480,6 +499,10 @@ class RunConfig(_Section):
                 raise ValueError(problems[0])
         if self.centralized_model == "fednca" and self.label_kind == "single":
             raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
+        if self.factory.guide_steps and self.method == "factory-p2p":
+            raise _field_error("factory.guide-steps", self.factory.guide_steps, "0 for method "
+                               f"{self.method!r} (autoguidance guides the server's synthesis of method 'factory'; "
+                               "factory-p2p sites draw unguided)")  # fmt: skip
         if self.val_data and self.method in ("factory", "factory-p2p"):
             raise _field_error("val-data", self.val_data, "empty for method "
                                f"{self.method!r} (its classifier epoch is chosen inside the one round)")  # fmt: skip

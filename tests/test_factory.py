@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from fedskew.factory.library import (
     SampleJob,
     SyntheticSet,
     UploadRejected,
+    class_balanced_set,
     load_synthetic,
     read_library,
     sampling_plan,
@@ -37,6 +39,7 @@ from fedskew.factory.site import (
     MemorizationRefusal,
     check_memorization,
     generator_config,
+    guide_config,
     memorization_share,
     p2p_samples_per_class,
     planned_modules,
@@ -336,6 +339,32 @@ def test_a_site_withholds_each_generator_above_max_memorization_and_refuses_when
     assert all(f"site0-class{c}: " in str(refusal.value) for c in (1, 2, 3)) and "every generator" in str(refusal.value)
 
 
+def test_a_site_trains_guides_only_for_what_it_uploads_and_withholds_a_generator_with_its_guide(monkeypatch):
+    from fedskew.factory import site as site_module
+
+    cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site",
+                                     "factory.generator-channels": 32, "factory.guide-steps": 7, "factory.max-memorization": 0.3})  # fmt: skip
+    asked = {}
+
+    def guides_trained(guide_cfg, site, device, only):
+        asked.update(cfg=guide_cfg, only=only)
+        shares = {"site0-class1": 0.0, "site0-class3": 0.4}
+        return [dataclasses.replace(make_module(0, int(m[-1])), memorization=shares[m]) for m in only], {"generator_seconds": 2.0}
+
+    monkeypatch.setattr(site_module, "train_site_generators", guides_trained)
+    modules = [make_module(0, 1), make_module(0, 3)]
+    earlier = [{"module-id": "site0-class2", "reason": "0.500 of audit samples memorised"}]
+    kept, guides, withheld, metrics = site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
+    # Guides train for the generators the site keeps, at the CPU preset's own width for factory.guide-steps steps.
+    assert asked["only"] == ["site0-class1", "site0-class3"]
+    assert (asked["cfg"].factory.generator_channels, asked["cfg"].factory.generator_steps, asked["cfg"].factory.generator) == (0, 7, "cpu")
+    assert [m.module_id for m in kept] == [g.module_id for g in guides] == ["site0-class1"]
+    assert withheld == [*earlier, {"module-id": "site0-class3", "reason": "its guide: 0.400 of audit samples memorised"}]
+    assert metrics == {"guide_generator_seconds": 2.0}
+    with pytest.raises(MemorizationRefusal, match="the guides of factory.guide-steps"):
+        site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules[1:], [], torch.device("cpu"))
+
+
 @pytest.mark.parametrize(("side", "expected"), [(8, 20), (28, 500)])
 def test_a_p2p_site_draws_its_largest_class_size_per_lacking_class_and_more_for_large_images(side, expected):
     labels = np.array([0] * 10 + [3] * 20)  # two classes held, the larger of 20 images: its expert trains class-balanced
@@ -359,6 +388,16 @@ def test_generator_config_keeps_attention_levels_and_scales_the_schedule():
 def test_factory_methods_need_single_label_data():
     with pytest.raises(ValueError, match="single-label data"):
         RunConfig.from_run_config({"method": "factory", "mosaic-grid": 2})
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"method": "factory-p2p"}, "0 for method 'factory-p2p'"),
+    ({"factory.dp-noise-multiplier": 1.0}, "the two DP guarantees would compose"),
+    ({"factory.guidance-weight": 0.5}, "factory.guidance-weight"),
+])  # fmt: skip
+def test_autoguidance_is_refused_where_it_does_not_apply(extra, reason):
+    with pytest.raises(ValueError, match=reason):
+        RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.guide-steps": 5, **extra})
 
 
 # --- end to end ------------------------------------------------------------------------------------------
@@ -572,6 +611,41 @@ def test_unlearning_in_p2p_drops_the_expert_and_refuses_to_split_a_conditional_m
     assert report["p2p"]["dropped_experts"] == [1] and report["forgotten_modules"] == ["site1"]
     with pytest.raises(ValueError, match="no module of site 7"):
         unlearn(p2p_run, site=7, out=tmp_path / "none")
+
+
+GUIDED = {**E2E, "method": "factory", "factory.guide-steps": 3}
+
+
+@pytest.fixture(scope="module")
+def guided_run(superlink, tmp_path_factory):
+    results = tmp_path_factory.mktemp("guided-results")
+    outcome = superlink.run_app({**GUIDED, "results-dir": str(results)}, num_supernodes=3)
+    assert outcome.completed, outcome.output[-4000:]
+    return _only_run_dir(results)
+
+
+def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_guided_draw(guided_run, tmp_path):
+    cfg = RunConfig.from_run_config(GUIDED)
+    library, guides = read_library(guided_run / "library"), read_library(guided_run / "library" / "guides")
+    assert [m.module_id for m in library.modules] == [g.module_id for g in guides.modules]
+    planned = {
+        p.module_id: p.config
+        for site in (simulated_site(cfg, k, 3) for k in range(3))
+        for p in planned_modules(guide_config(cfg), site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
+    }  # fmt: skip
+    assert all(g.config == planned[g.module_id] for g in guides.modules)
+    # The server's synthetic set is the library's draw guided at factory.guidance-weight (2): drawn again
+    # here it is the same images, and unguided it is not.
+    stored, cpu = load_synthetic(guided_run / "synthetic.safetensors"), torch.device("cpu")
+    guided = class_balanced_set(library, cfg.factory, cfg.seed, cpu, guides, cfg.factory.guidance_weight)
+    np.testing.assert_allclose(guided.images, stored.images, atol=1e-4)
+    assert np.abs(class_balanced_set(library, cfg.factory, cfg.seed, cpu).images - stored.images).max() > 0.05
+    summary = json.loads((guided_run / "summary.json").read_text())
+    assert all(m["guide_generator_seconds"] > 0 for m in summary["factory"]["site_metrics"])
+    # Unlearning a site drops its guides with its generators.
+    target = unlearn(guided_run, site=library.modules[0].site_id, out=tmp_path / "forgot")
+    kept = [m.module_id for m in library.modules if m.site_id != library.modules[0].site_id]
+    assert [g.module_id for g in read_library(target / "library" / "guides").modules] == kept
 
 
 def test_autoguidance_at_weight_one_is_the_generator_and_at_zero_the_guide():

@@ -198,7 +198,7 @@ def test_a_budget_in_seconds_becomes_whole_batches_of_the_measured_images_per_se
 def test_the_autoguidance_ablation_trains_a_guide_library_and_samples_from_it(tmp_path):
     base = TINY.replace("method='factory-p2p'", "factory.samples-per-class=12")
     main(["--dataset", "digits", "--num-sites", "3", "--seeds", "0", "--base", base, "--variant", "plain:",
-          "--variant", "guided: bench.guide-steps=2 bench.guidance-weight=2", "--out", str(tmp_path)])  # fmt: skip
+          "--variant", "guided: factory.guide-steps=2 factory.guidance-weight=2", "--out", str(tmp_path)])  # fmt: skip
     plain, guided = json.loads((tmp_path / "results.json").read_text())
     assert plain["guide_seconds"] == 0 < guided["guide_seconds"]
     assert len(list((tmp_path / "generators").glob("*/manifest.json"))) == 2  # the generators and their guides

@@ -22,12 +22,20 @@ from fedskew.data.site_folder import SiteFolderError, read_labelled_folder
 from fedskew.factory import unlearn as unlearn_module
 from fedskew.factory.classifier import build_classifier
 from fedskew.factory.library import GeneratorModule, Library, UploadRejected, library_from_manifest
-from fedskew.factory.site import planned_module, planned_modules
+from fedskew.factory.site import guide_config, planned_module, planned_modules
 from fedskew.models.edm2 import build_generator
 from fedskew.models.generator_io import state_dict_checksum
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import TaskShape
-from fedskew.strategies.factory import FactoryFlow, decode_modules, encode_modules, generator_payload_limit, packed_weights
+from fedskew.strategies.factory import (
+    GUIDE_MANIFEST_KEY,
+    GUIDE_PREFIX,
+    FactoryFlow,
+    decode_modules,
+    encode_modules,
+    generator_payload_limit,
+    packed_weights,
+)
 from fedskew.strategies.recording import arrays_layout, update_problem
 
 CFG = RunConfig.from_run_config(
@@ -225,6 +233,83 @@ def test_the_generator_payload_limit_is_the_run_models_size():
     planned = planned_modules(CFG, 0, [20] + [0] * 9, TASK.image_shape)[0]
     weights = sum(t.numel() * 4 for t in build_generator(planned.config, "meta").state_dict().values())
     assert weights < generator_payload_limit(CFG, TASK.image_shape, 10) <= weights + (1 << 20)
+
+
+# --- autoguidance: the guides travel beside the generators ----------------------------------------------
+
+GUIDED = CFG.model_copy(update={"factory": CFG.factory.model_copy(update={"generator_channels": 32, "guide_steps": 3})})
+
+
+def untrained_modules(cfg: RunConfig, site: int, counts: list[int]) -> list[GeneratorModule]:
+    return [
+        GeneratorModule(p.module_id, site, p.classes, p.image_counts, p.config, state_dict_checksum(state), 0.1, state)
+        for p in planned_modules(cfg, site, counts, TASK.image_shape)
+        for state in [build_generator(p.config).state_dict()]
+    ]  # fmt: skip
+
+
+def guided_upload(site: int, guides_of=None, manifest_changes=None) -> RecordDict:
+    """Site `site`'s upload with guides (`guides_of(guides)` forges them, `manifest_changes` the guide manifest)."""
+    counts = dict(SITES.values())[site]
+    modules, guides = untrained_modules(GUIDED, site, counts), untrained_modules(guide_config(GUIDED), site, counts)
+    guides = guides_of(guides) if guides_of else guides
+    meta = {"site-id": site, "image-shape": list(TASK.image_shape)}
+    content = encode_modules({**meta, "modules": [m.metadata() for m in modules]}, modules)
+    guide_manifest = {**meta, "modules": [g.metadata() for g in guides]}
+    if manifest_changes:
+        manifest_changes(guide_manifest)
+    return encode_modules(guide_manifest, guides, content, GUIDE_MANIFEST_KEY, GUIDE_PREFIX)
+
+
+def as_generator_config(guides):
+    """A guide that is really a copy of the (wider) generator."""
+    return untrained_modules(GUIDED, guides[0].site_id, dict(SITES.values())[guides[0].site_id])
+
+
+def trained_longer(guides):
+    """Guides of the same architecture but another step count than factory.guide-steps."""
+    longer = GUIDED.model_copy(update={"factory": GUIDED.factory.model_copy(update={"guide_steps": 30})})
+    return untrained_modules(guide_config(longer), guides[0].site_id, dict(SITES.values())[guides[0].site_id])
+
+
+def no_guide_manifest(honest):
+    content = guided_upload(1)
+    del content[GUIDE_MANIFEST_KEY]
+    return content
+
+
+HOSTILE_GUIDES = {
+    "a guide trained longer": (lambda honest: guided_upload(1, guides_of=trained_longer), "declared config .* differs"),
+    "no guide manifest": (no_guide_manifest, "no 'guide-manifest' record"),
+    "guide weights missing": (lambda honest: guided_upload(1, guides_of=lambda g: []), r"weights came for guides \[\]; expected \['site1-class1'\]"),
+    "the generator as its own guide": (lambda honest: guided_upload(1, guides_of=as_generator_config),
+                                       r"guide 'site1-class1': the packed weights take \d+ bytes; this run's model takes at most \d+"),
+    "another site's guide manifest": (lambda honest: guided_upload(1, manifest_changes=lambda m: m.__setitem__("site-id", 0)),
+                                      "claims site-id 0, but its node answered the survey as site 1"),
+}
+
+
+def collect_guided(tmp_path, forge):
+    def answer(node, _):
+        return forge(None) if node == 12 else guided_upload(0)
+
+    guided_flow = flow(tmp_path, answer)
+    library, rejected = guided_flow.collect_library(survey_of(SITES), TASK, GUIDED)
+    return library, guided_flow.guides, rejected
+
+
+def test_honest_guided_uploads_give_one_guide_per_generator_at_the_guide_config(tmp_path):
+    library, guides, rejected = collect_guided(tmp_path, lambda _: guided_upload(1))
+    assert rejected == [] and [m.module_id for m in library.modules] == [g.module_id for g in guides.modules] == ["site0-class0", "site1-class1"]
+    assert {g.config.model_channels for g in guides.modules} == {16} and {m.config.model_channels for m in library.modules} == {32}
+
+
+@pytest.mark.parametrize("case", HOSTILE_GUIDES)
+def test_a_hostile_guide_upload_is_rejected_with_its_generators_and_the_honest_site_is_kept(tmp_path, case):
+    forge, reason = HOSTILE_GUIDES[case]
+    library, guides, (rejection,) = collect_guided(tmp_path, forge)
+    assert [m.module_id for m in library.modules] == [g.module_id for g in guides.modules] == ["site0-class0"]
+    assert rejection["node"] == "12" and re.search(reason, rejection["reason"]), rejection["reason"]
 
 
 # --- P2P: experts and the relayed library -----------------------------------------------------------

@@ -49,6 +49,8 @@ LIBRARY_FORMAT = "fedskew-factory-library"
 LIBRARY_VERSION = 1
 MANIFEST = "manifest.json"
 SYNTHETIC_FILE = "synthetic.safetensors"
+# A run with autoguidance (factory.guide-steps) keeps the guides as a library of their own, inside its library.
+GUIDES_DIR = "guides"
 # Module ids become file names: no separators, no leading dot, nothing after the last character
 # (`\Z`, not `$`, which also matches before a trailing newline).
 MODULE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")

@@ -5,6 +5,7 @@ its real images plus synthetic images of the classes it lacks."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -254,14 +255,31 @@ def label_counts(site: SiteData) -> list[int]:
     return np.bincount(site.train_labels, minlength=site.num_classes).tolist()
 
 
-def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModule]) -> tuple[list[GeneratorModule], list[dict]]:
+def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModule], what: str = "") -> tuple[list[GeneratorModule], list[dict]]:
     """`check_memorization` at the site's limit (factory.max-memorization; by default 0.05 at a deployed
-    site, off in simulation), each withheld generator printed with its reason."""
+    site, off in simulation), each withheld generator printed with its reason (`what` prefixes it: "the
+    guide of ")."""
     limit = cfg.factory.memorization_limit(deployed=isinstance(site, DeployedSite))
     kept, withheld = check_memorization(modules, limit)
+    withheld = [{**entry, "reason": what + entry["reason"]} for entry in withheld]
     for entry in withheld:
         print(f"site {site.site_id}: withholds {entry['module-id']} (factory.max-memorization = {limit}): {entry['reason']}", flush=True)
     return kept, withheld
+
+
+def trained_guides(
+    cfg: RunConfig, site: SiteData, modules: list[GeneratorModule], withheld: list[dict], device: torch.device
+) -> tuple[list[GeneratorModule], list[GeneratorModule], list[dict], dict]:
+    """factory.guide-steps: a guide for each generator the site will upload, audited like it; a generator
+    whose guide is withheld is withheld with it. Returns (generators, their guides, withheld, guide timing
+    metrics)."""
+    guides, metrics = train_site_generators(guide_config(cfg), site, device, only=[m.module_id for m in modules])
+    try:
+        guides, guides_withheld = uploaded_modules(cfg, site, guides, what="its guide: ")
+    except MemorizationRefusal as err:
+        raise MemorizationRefusal(f"{err} (the guides of factory.guide-steps)") from None
+    kept = {g.module_id for g in guides}
+    return [m for m in modules if m.module_id in kept], guides, withheld + guides_withheld, {f"guide_{k}": v for k, v in metrics.items()}
 
 
 def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
@@ -269,13 +287,26 @@ def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
     return planned_modules(cfg, site.site_id, label_counts(site), tuple(site.train_images.shape[1:]))
 
 
-def train_site_generators(cfg: RunConfig, site: SiteData, device: torch.device) -> tuple[list[GeneratorModule], dict]:
-    """One unconditional generator per class held (or one conditional one), each audited, in
-    factory.parallel-generators worker processes side by side; returns the modules (EMA weights, in plan
-    order, each with its audit share) and timing metrics (seconds summed over the generators). What may
-    leave the site is decided on upload (`check_memorization`)."""
+def guide_config(cfg: RunConfig) -> RunConfig:
+    """The run config a site's autoguidance guides train under (factory.guide-steps): the CPU preset at its
+    own width for factory.guide-steps steps, everything else as for the generators. A guide is planned like
+    its generator, so it has the generator's module id, classes and seed (the runs that measured
+    autoguidance trained their guides so)."""
+    factory = cfg.factory.model_copy(
+        update={"generator": "cpu", "generator_channels": 0, "generator_steps": cfg.factory.guide_steps, "generator_images": 0}
+    )
+    return cfg.model_copy(update={"factory": factory})
+
+
+def train_site_generators(
+    cfg: RunConfig, site: SiteData, device: torch.device, only: Sequence[str] | None = None
+) -> tuple[list[GeneratorModule], dict]:
+    """One unconditional generator per class held (or one conditional one; with `only`, those of the
+    plan's module ids), each audited, in factory.parallel-generators worker processes side by side; returns
+    the modules (EMA weights, in plan order, each with its audit share) and timing metrics (seconds summed
+    over the generators). What may leave the site is decided on upload (`check_memorization`)."""
     factory = cfg.factory
-    plan = site_plan(cfg, site)
+    plan = [p for p in site_plan(cfg, site) if only is None or p.module_id in only]
     if not plan:
         raise ValueError(
             f"site {site.site_id} holds no class with >= factory.min-class-images = {factory.min_class_images} "

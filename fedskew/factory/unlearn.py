@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from fedskew.config import RunConfig
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
-from fedskew.factory.library import SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
+from fedskew.factory.library import GUIDES_DIR, SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
 from fedskew.models.build import weights_mismatch
 from fedskew.models.model_file import load_model_file
 from fedskew.report import try_write_report
@@ -153,6 +153,9 @@ def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | No
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, target / name)
     write_library(kept, target / "library")
+    if (run_dir / "library" / GUIDES_DIR).is_dir():  # factory.guide-steps: the forgotten generators' guides go too
+        guides = read_library(run_dir / "library" / GUIDES_DIR)
+        write_library(guides.without(m for m in forgotten if m in {g.module_id for g in guides.modules}), target / "library" / GUIDES_DIR)
     synthetic = load_synthetic(run_dir / SYNTHETIC_FILE).without_modules(forgotten)
     save_synthetic(synthetic, target / SYNTHETIC_FILE)
     save_class_grids(synthetic, target / "samples")

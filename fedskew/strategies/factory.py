@@ -39,6 +39,7 @@ from fedskew.data.sites import SiteData
 from fedskew.data.sources import ImageDataset
 from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, check_expert_weights, train_classifier
 from fedskew.factory.library import (
+    GUIDES_DIR,
     SYNTHETIC_FILE,
     GeneratorModule,
     MAX_IMAGE_COUNT,
@@ -54,7 +55,15 @@ from fedskew.factory.library import (
     write_library,
 )
 from fedskew.factory.intensity import check_histograms, class_histograms, match_intensity
-from fedskew.factory.site import planned_module, planned_modules, train_site_expert, train_site_generators, uploaded_modules
+from fedskew.factory.site import (
+    guide_config,
+    planned_module,
+    planned_modules,
+    train_site_expert,
+    train_site_generators,
+    trained_guides,
+    uploaded_modules,
+)
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.fidelity import record_fidelity
 from fedskew.models.edm2 import build_generator
@@ -66,6 +75,9 @@ FACTORY_MESSAGE = "train.factory"
 P2P_MESSAGE = "train.p2p"
 MANIFEST_KEY = "manifest"
 GENERATOR_PREFIX = "generator."
+# Autoguidance guides (factory.guide-steps) travel beside the generators, under their own keys.
+GUIDE_MANIFEST_KEY = "guide-manifest"
+GUIDE_PREFIX = "guide."
 EXPERT_KEY = "expert"
 INTENSITY_KEY = "intensity"
 METRICS_KEY = "metrics"
@@ -155,33 +167,39 @@ def parse_manifest(text, max_chars: int) -> dict:
     return manifest
 
 
-def encode_modules(manifest: dict, modules: list[GeneratorModule]) -> RecordDict:
-    """The manifest as JSON in a ConfigRecord and one ArrayRecord per generator."""
-    content = RecordDict({MANIFEST_KEY: ConfigRecord({"json": json.dumps(manifest)})})
+def encode_modules(manifest: dict, modules: list[GeneratorModule], content: RecordDict | None = None,
+                   key: str = MANIFEST_KEY, prefix: str = GENERATOR_PREFIX) -> RecordDict:
+    """The manifest as JSON in a ConfigRecord and one ArrayRecord per generator (added to `content` under
+    `key` and `prefix`: the guides' are GUIDE_MANIFEST_KEY and GUIDE_PREFIX)."""
+    content = RecordDict() if content is None else content
+    content[key] = ConfigRecord({"json": json.dumps(manifest)})
     for module in modules:
-        content[GENERATOR_PREFIX + module.module_id] = packed_weights(module.state)
+        content[prefix + module.module_id] = packed_weights(module.state)
     return content
 
 
-def _generator_ids(content: RecordDict) -> list[str]:
-    return [key.removeprefix(GENERATOR_PREFIX) for key in content.array_records if key.startswith(GENERATOR_PREFIX)]
+def _generator_ids(content: RecordDict, prefix: str = GENERATOR_PREFIX) -> list[str]:
+    return [key.removeprefix(prefix) for key in content.array_records if key.startswith(prefix)]
 
 
-def decode_manifest(content: RecordDict) -> dict:
+def decode_manifest(content: RecordDict, key: str = MANIFEST_KEY, prefix: str = GENERATOR_PREFIX) -> dict:
     """The module metadata of a message (at most MANIFEST_CHARS_PER_MODULE per generator it carries)."""
-    if MANIFEST_KEY not in content.config_records or "json" not in content[MANIFEST_KEY]:
-        raise UploadRejected(f"the message has no '{MANIFEST_KEY}' record with the module metadata")
-    return parse_manifest(content[MANIFEST_KEY]["json"], MANIFEST_CHARS_PER_MODULE * (len(_generator_ids(content)) + 1))
+    if key not in content.config_records or "json" not in content[key]:
+        raise UploadRejected(f"the message has no '{key}' record with the module metadata")
+    return parse_manifest(content[key]["json"], MANIFEST_CHARS_PER_MODULE * (len(_generator_ids(content, prefix)) + 1))
 
 
-def decode_states(content: RecordDict, max_bytes: int, expected_ids: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def decode_states(content: RecordDict, max_bytes: int, expected_ids: list[str] | None = None,
+                  prefix: str = GENERATOR_PREFIX) -> dict[str, dict[str, torch.Tensor]]:
     """Module id -> weights, each generator at most `max_bytes` packed and, given `expected_ids`, exactly
     those modules (checked before any is decoded); UploadRejected otherwise."""
-    module_ids = _generator_ids(content)
+    module_ids = _generator_ids(content, prefix)
+    guides = prefix == GUIDE_PREFIX
     if expected_ids is not None and sorted(module_ids) != sorted(expected_ids):
         shown = sorted(module_ids)[:10]
-        raise UploadRejected(f"weights came for modules {shown}{' ...' if len(module_ids) > 10 else ''}; expected {sorted(expected_ids)}")
-    return {m: unpacked_weights(content[GENERATOR_PREFIX + m], f"generator {m[:80]!r}", max_bytes) for m in module_ids}
+        raise UploadRejected(f"weights came for {'guides' if guides else 'modules'} {shown}{' ...' if len(module_ids) > 10 else ''}; "
+                             f"expected {sorted(expected_ids)}")  # fmt: skip
+    return {m: unpacked_weights(content[prefix + m], f"{'guide' if guides else 'generator'} {m[:80]!r}", max_bytes) for m in module_ids}
 
 
 def decode_modules(content: RecordDict, max_bytes: int) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
@@ -195,11 +213,16 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     generator would exceed factory.max-epsilon."""
     modules, metrics = train_site_generators(cfg, site, device)
     modules, withheld = uploaded_modules(cfg, site, modules)
-    manifest = {
-        "site-id": site.site_id, "image-shape": list(site.train_images.shape[1:]), "modules": [m.metadata() for m in modules],
-        "withheld": withheld,
-    }  # fmt: skip
+    guides = []
+    if cfg.factory.guide_steps:
+        modules, guides, withheld, guide_metrics = trained_guides(cfg, site, modules, withheld, device)
+        metrics.update(guide_metrics)
+    shape = list(site.train_images.shape[1:])
+    manifest = {"site-id": site.site_id, "image-shape": shape, "modules": [m.metadata() for m in modules], "withheld": withheld}
     content = encode_modules(manifest, modules)
+    if guides:
+        guide_manifest = {"site-id": site.site_id, "image-shape": shape, "modules": [g.metadata() for g in guides]}
+        encode_modules(guide_manifest, guides, content, GUIDE_MANIFEST_KEY, GUIDE_PREFIX)
     content[METRICS_KEY] = MetricRecord({**metrics, "modules": len(modules), "withheld": len(withheld), "site-id": site.site_id})
     if cfg.factory.match_intensity:
         histograms = class_histograms(site.train_images, site.train_labels, site.num_classes)
@@ -305,6 +328,8 @@ class FactoryFlow(RecordingMixin):
         self.grid, self.timeout = grid, timeout
         # The accepted sites' per-class real pixel histograms, summed (factory.match-intensity; else None).
         self.real_histograms: np.ndarray | None = None
+        # The accepted sites' autoguidance guides (factory.guide-steps; else None).
+        self.guides: Library | None = None
         self.attach(recorder)
 
     def exchange(self, server_round: int, messages: list[Message]) -> list[Message]:
@@ -346,6 +371,20 @@ class FactoryFlow(RecordingMixin):
         identities, refused = site_identities(survey, task.num_classes)
         image_shape = tuple(task.image_shape)
         max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
+        guided = guide_config(cfg) if cfg.factory.guide_steps else None
+
+        def check_guides(identity: SiteIdentity, reply: Message, modules: list[GeneratorModule]) -> list[GeneratorModule]:
+            """The guides of factory.guide-steps: exactly one for each generator accepted, as the plan makes it."""
+            plan = [
+                p for p in planned_modules(guided, identity.site_id, list(identity.label_counts), image_shape)
+                if p.module_id in {m.module_id for m in modules}
+            ]  # fmt: skip
+            manifest = decode_manifest(reply.content, GUIDE_MANIFEST_KEY, GUIDE_PREFIX)
+            check_uploader(manifest, identity.site_id)
+            limit = generator_payload_limit(guided, image_shape, task.num_classes)
+            states = decode_states(reply.content, limit, [p.module_id for p in plan], GUIDE_PREFIX)
+            return validate_upload(manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
+                                   max_memorization=cfg.factory.max_memorization)  # fmt: skip
 
         def check(identity: SiteIdentity, reply: Message) -> list[GeneratorModule]:
             plan = planned_modules(cfg, identity.site_id, list(identity.label_counts), image_shape)
@@ -359,19 +398,22 @@ class FactoryFlow(RecordingMixin):
                 manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
                 max_memorization=cfg.factory.max_memorization, max_epsilon=cfg.factory.max_epsilon,
             )  # fmt: skip
+            guides = check_guides(identity, reply, modules) if guided else []
             for entry in withheld:
                 print(f"site {identity.site_id} withheld {entry['module-id']}: {entry['reason']}", flush=True)
-            return modules, histograms, [{"site-id": identity.site_id, **w} for w in withheld]
+            return modules, guides, histograms, [{"site-id": identity.site_id, **w} for w in withheld]
 
         messages = [
             Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
             for node in identities
         ]
         accepted, rejected = self.checked_replies(1, messages, identities, "upload", check)
-        modules = [m for _, _, (checked, _, _) in accepted for m in checked]
-        histograms = [h for _, _, (_, h, _) in accepted if h is not None]
-        self.recorder.extra.setdefault("factory", {})["withheld"] = [w for _, _, (_, _, site_withheld) in accepted for w in site_withheld]
+        modules = [m for _, _, (checked, _, _, _) in accepted for m in checked]
+        histograms = [h for _, _, (_, _, h, _) in accepted if h is not None]
+        self.recorder.extra.setdefault("factory", {})["withheld"] = [w for _, _, (_, _, _, site_withheld) in accepted for w in site_withheld]
         self.real_histograms = sum(histograms) if histograms else None
+        guides = sorted((g for _, _, (_, site_guides, _, _) in accepted for g in site_guides), key=lambda g: (g.site_id, g.classes))
+        self.guides = Library(tuple(guides), task.num_classes, image_shape, tuple(task.class_names)) if guided else None
         site_metrics = [
             {"node": str(identity.node), **reported_metrics(reply), "site-id": identity.site_id} for identity, reply, _ in accepted
         ]
@@ -421,13 +463,14 @@ def test_metrics(model: torch.nn.Module, test: ImageDataset | None, device: torc
 
 def train_library_classifier(
     cfg: RunConfig, library: Library, device: torch.device, run_dir: Path, checkpoints: dict | None = None,
-    real_histograms: np.ndarray | None = None,
+    real_histograms: np.ndarray | None = None, guides: Library | None = None,
 ) -> tuple[torch.nn.Module, dict]:
-    """Synthesise the class-balanced set (its pixels matched to `real_histograms` when given; stored, with
-    its plan), write the sample grids, train the classifier (`checkpoints`: see train_classifier)."""
+    """Synthesise the class-balanced set (autoguided by `guides` when given; its pixels matched to
+    `real_histograms` when given; stored, with its plan), write the sample grids, train the classifier
+    (`checkpoints`: see train_classifier)."""
     synthesis, training = Elapsed(), Elapsed()
     with timed(synthesis):
-        synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device)
+        synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device, guides, cfg.factory.guidance_weight)
         if real_histograms is not None:
             synthetic = replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, real_histograms))
     save_synthetic(synthetic, run_dir / SYNTHETIC_FILE)
@@ -494,6 +537,8 @@ def run_factory(
     )
     library, rejected = flow.collect_library(survey, task, cfg)
     write_library(library, recorder.path / LIBRARY_DIR)
+    if flow.guides is not None:
+        write_library(flow.guides, recorder.path / LIBRARY_DIR / GUIDES_DIR)
     missing = library.missing_classes()
     report = recorder.extra.setdefault("factory", {})
     report.update(
@@ -510,7 +555,7 @@ def run_factory(
         raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
 
     checkpoints = {} if cfg.factory.site_validation else None
-    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints, flow.real_histograms)
+    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints, flow.real_histograms, flow.guides)
     if checkpoints is not None:
         # Imported here: the validation transport builds on this module's wire format.
         from fedskew.strategies.factory_validation import validate_at_sites
