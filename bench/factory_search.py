@@ -153,10 +153,10 @@ def uploaded_library(cfg: RunConfig, library: Library, directory: Path) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class Guides:
-    """Trained guides and their weight; `tag` names the synthetic sets and grids drawn with them."""
+    """Trained guides; `tag` names the synthetic sets and grids drawn with them (and the run config's
+    factory.guidance-weight)."""
 
     library: Library
-    weight: float
     tag: str
 
 
@@ -169,8 +169,8 @@ def server_synthetic_set(cfg: RunConfig, library: Library, directory: Path, devi
     path = directory / f"synthetic-{samples}x-{cfg.factory.sampler_steps}steps{tag}-seed{cfg.seed}.safetensors"
     if path.is_file():
         return load_synthetic(path)
-    synthetic = (class_balanced_set(library, cfg.factory, cfg.seed, device, guides.library, guides.weight) if guides
-                 else class_balanced_set(library, cfg.factory, cfg.seed, device))  # fmt: skip
+    synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device, guides.library if guides else None,
+                                   cfg.factory.guidance_weight)  # fmt: skip
     save_synthetic(synthetic, path)
     return synthetic
 
@@ -297,8 +297,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
     guides, guide_seconds = None, 0.0
     if cfg.factory.guide_steps:  # the guides a run's sites would upload, cached like the generators
         guide_library, guide_dir, guide_seconds = site_library(guide_config(cfg), sites, out / "generators", device, site_workers)
-        weight = cfg.factory.guidance_weight
-        guides = Guides(guide_library, weight, f"-guide{guide_dir.name}-w{weight:g}")
+        guides = Guides(guide_library, f"-guide{guide_dir.name}-w{cfg.factory.guidance_weight:g}")
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)
     if cfg.factory.match_intensity:

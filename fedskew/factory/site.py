@@ -257,8 +257,8 @@ def label_counts(site: SiteData) -> list[int]:
 
 def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModule], what: str = "") -> tuple[list[GeneratorModule], list[dict]]:
     """`check_memorization` at the site's limit (factory.max-memorization; by default 0.05 at a deployed
-    site, off in simulation), each withheld generator printed with its reason (`what` prefixes it: "the
-    guide of ")."""
+    site, off in simulation), each withheld generator printed with its reason (`what` prefixes it: "its
+    guide: ")."""
     limit = cfg.factory.memorization_limit(deployed=isinstance(site, DeployedSite))
     kept, withheld = check_memorization(modules, limit)
     withheld = [{**entry, "reason": what + entry["reason"]} for entry in withheld]

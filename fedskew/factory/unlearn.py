@@ -155,7 +155,8 @@ def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | No
     write_library(kept, target / "library")
     if (run_dir / "library" / GUIDES_DIR).is_dir():  # factory.guide-steps: the forgotten generators' guides go too
         guides = read_library(run_dir / "library" / GUIDES_DIR)
-        write_library(guides.without(m for m in forgotten if m in {g.module_id for g in guides.modules}), target / "library" / GUIDES_DIR)
+        guided = {g.module_id for g in guides.modules}
+        write_library(guides.without(m for m in forgotten if m in guided), target / "library" / GUIDES_DIR)
     synthetic = load_synthetic(run_dir / SYNTHETIC_FILE).without_modules(forgotten)
     save_synthetic(synthetic, target / SYNTHETIC_FILE)
     save_class_grids(synthetic, target / "samples")

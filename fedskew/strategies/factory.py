@@ -372,17 +372,15 @@ class FactoryFlow(RecordingMixin):
         image_shape = tuple(task.image_shape)
         max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
         guided = guide_config(cfg) if cfg.factory.guide_steps else None
+        guide_max_bytes = generator_payload_limit(guided, image_shape, task.num_classes) if guided else 0
 
         def check_guides(identity: SiteIdentity, reply: Message, modules: list[GeneratorModule]) -> list[GeneratorModule]:
             """The guides of factory.guide-steps: exactly one for each generator accepted, as the plan makes it."""
-            plan = [
-                p for p in planned_modules(guided, identity.site_id, list(identity.label_counts), image_shape)
-                if p.module_id in {m.module_id for m in modules}
-            ]  # fmt: skip
+            accepted = {m.module_id for m in modules}
+            plan = [p for p in planned_modules(guided, identity.site_id, list(identity.label_counts), image_shape) if p.module_id in accepted]
             manifest = decode_manifest(reply.content, GUIDE_MANIFEST_KEY, GUIDE_PREFIX)
             check_uploader(manifest, identity.site_id)
-            limit = generator_payload_limit(guided, image_shape, task.num_classes)
-            states = decode_states(reply.content, limit, [p.module_id for p in plan], GUIDE_PREFIX)
+            states = decode_states(reply.content, guide_max_bytes, [p.module_id for p in plan], GUIDE_PREFIX)
             return validate_upload(manifest, states, site_id=identity.site_id, plan=plan, image_shape=image_shape,
                                    max_memorization=cfg.factory.max_memorization)  # fmt: skip
 
