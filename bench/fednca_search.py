@@ -199,6 +199,12 @@ TRIALS = [
     *[(f"fednca-e1-r60-adam-v-averaged-bc-beta2-{beta2:g}", "fednca", {**SHARED_SECOND_MOMENT, "fednca.beta2": beta2})
       for beta2 in (0.9, 0.8)],
     ("fednca-e1-r60-adam-v-averaged-bc-shift", "fednca", {**SHARED_SECOND_MOMENT, "augment": "shift"}),
+    # At the learning rates where the federation stays at chance the bound too spends its first epochs there; a
+    # fresh AdamW's sign-like steps leave that plateau, a long-lived second moment full of the first gradients may
+    # not. The default's restarts until the model is leaving it (seed 0's validation AUC: 0.57 after round 20, 0.66
+    # after round 40), then the shared second moment.
+    *[(f"fednca-e1-r60-adam-v-averaged-bc-from{start}", "fednca", {**SHARED_SECOND_MOMENT, "bench.shared-state-from-round": start})
+      for start in (20, 40)],
     # The bound with the sites' AdamW restarts: 175-190 images per site at batch 32 are 6 steps a round.
     ("centralized-e1-r60-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.optimizer-reset-steps": 6}),
@@ -498,7 +504,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
                 first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
-                proximal_mu: float = 0.0) -> dict:
+                proximal_mu: float = 0.0, shared_state_from_round: int = 1) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) and the training loss after every round (the bound's over its
     epoch; the sites' over their local training, weighted by example count), and for federated methods the mean probe
@@ -507,7 +513,9 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
     `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
     replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
-    so all sites start the next round from the same moments; `mime_lite` trains the sites on the server's frozen
+    so all sites start the next round from the same moments, from round `shared_state_from_round` on (before it
+    every site's AdamW restarts each round, as at the default, and the state shared after that round is the first);
+    `mime_lite` trains the sites on the server's frozen
     AdamW moments (`MimeLite`), with AdamW's betas raised to the power of a round's local steps where
     `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's);
     `proximal_mu` gives a FedNCA-ML site FedProx's proximal term (FedProx itself takes the run's `proximal-mu`)."""
@@ -557,8 +565,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         if average_optimizer_state:
             shared = shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
                                             [metrics for _, metrics in updates], average_optimizer_state)
-            for store in stores:
-                store.put(OPTIMIZER_SITE_STATE, shared)
+            for store in stores:  # an empty state is a fresh AdamW
+                store.put(OPTIMIZER_SITE_STATE, shared if server_round >= shared_state_from_round else {})
         if server_adam_lr:
             state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names, tau=server_adam_tau)
         else:
@@ -819,13 +827,15 @@ def bench_options(options: dict):
     round from gradients at the global weights (`MimeLite`; `bench.mime-round-betas`: with AdamW's betas to the
     power of a round's local steps); `bench.block-second-moment` replaces AdamW by `BlockAdamW` (one second moment
     per block of weights) at the sites and in the bound; `bench.proximal-mu` adds FedProx's proximal term to a
-    FedNCA-ML site's loss."""
+    FedNCA-ML site's loss; `bench.shared-state-from-round` (with `bench.average-optimizer-state`) restarts the
+    sites' AdamW every round before that round, so the shared state only starts once the model has left its
+    first plateau."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
-             "bench.block-second-moment", "bench.proximal-mu"}
+             "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -834,6 +844,9 @@ def bench_options(options: dict):
         raise ValueError("bench.first-moment-bias-restart restarts the bias correction of a zeroed first moment: give it with "
                          "bench.first-moment-reset (without bench.moment-warm-start) or with "
                          "bench.average-optimizer-state = 'second-moment'")
+    if "bench.shared-state-from-round" in options and not options.get("bench.average-optimizer-state"):
+        raise ValueError("bench.shared-state-from-round says from which round the sites share their averaged AdamW state: "
+                         "give it with bench.average-optimizer-state")
     if options.get("bench.mime-lite") and options.get("bench.moment-warm-start"):
         raise ValueError("bench.mime-lite sets every local step's AdamW moments from the server's; it does not combine "
                          "with bench.moment-warm-start")
@@ -903,7 +916,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
                         options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
-                        options.get("bench.proximal-mu", 0.0))
+                        options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1))
     return {**diagnose(model, sites, data), **trace}
 
 

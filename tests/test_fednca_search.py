@@ -20,12 +20,14 @@ from bench.fednca_search import (
     optimizer_restarts,
     pick_by_budget,
     table,
+    train_trial,
     recalibrated_batchnorm,
     validation_threshold,
     warm_start_adam,
     warmup_then_cosine,
 )
 from fedskew import client_tasks
+from fedskew.client_tasks import OPTIMIZER_SITE_STATE
 from fedskew.config import RunConfig
 from fedskew.data.sites import load_task_dataset
 from fedskew.models import backbones
@@ -282,3 +284,30 @@ def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
     text = table(tmp_path, [0, 1, 2])  # seed 7 is not asked for
     assert "| fednca | 0.800 ± 0.100 (n=3) | 0.900 ± 0.000 |" in text
     assert "| fedavg | - | - |" in text
+
+
+def test_the_sites_share_the_averaged_optimiser_state_only_from_the_chosen_round_on(monkeypatch):
+    # Each fake site records the state it starts from and keeps v = round x (site + 1) with one example per
+    # site. From round 3 on the server hands every site the average (round 3: v = 3 x 1.5 = 4.5), and the
+    # first moment is zeroed ("second-moment"); before it every round starts from a fresh AdamW (empty state).
+    cfg = RunConfig.from_run_config({"method": "fednca", "num-server-rounds": 4, "local-epochs": 1,
+                                     "fednca.keep-optimizer-state": True})
+    model = torch.nn.Linear(1, 1)
+    received = []
+
+    def fake_train_site(cfg, site, state, *, server_round, site_state, **rest):
+        received.append((server_round, site, site_state.get(OPTIMIZER_SITE_STATE)))
+        v = float(server_round * (site + 1))
+        site_state.put(OPTIMIZER_SITE_STATE, {"0.exp_avg": torch.tensor([1.0]), "0.exp_avg_sq": torch.tensor([v])})
+        return dict(state), {"num-examples": 1, "train_loss": 0.0}
+
+    monkeypatch.setattr("bench.fednca_search.train_site", fake_train_site)
+    train_trial(cfg, [0, 1], model, None, lambda m: 0.5, average_optimizer_state="second-moment",
+                shared_state_from_round=3)
+    starts = {(r, k): state for r, k, state in received}
+    assert starts[(1, 0)] is None and starts[(2, 0)] == {} and starts[(3, 1)] == {}
+    assert starts[(4, 0)]["0.exp_avg_sq"].item() == pytest.approx(4.5)
+    assert starts[(4, 1)]["0.exp_avg"].item() == 0.0
+    with pytest.raises(ValueError, match="bench.shared-state-from-round"):
+        with bench_options({"bench.shared-state-from-round": 20}):
+            pass
