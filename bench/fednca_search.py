@@ -201,7 +201,7 @@ TRIALS = [
     ("fednca-e1-r60-adam-v-averaged-bc-shift", "fednca", {**SHARED_SECOND_MOMENT, "augment": "shift"}),
     # At the learning rates where the federation stays at chance the bound too spends its first epochs there; a
     # fresh AdamW's sign-like steps leave that plateau, a long-lived second moment full of the first gradients may
-    # not. The default's restarts until the model is leaving it (seed 0's validation AUC: 0.57 after round 20, 0.66
+    # not. The default's restarts until the model is leaving it (seed 0's validation AUC: 0.57 after round 20, 0.65
     # after round 40), then the shared second moment.
     *[(f"fednca-e1-r60-adam-v-averaged-bc-from{start}", "fednca", {**SHARED_SECOND_MOMENT, "bench.shared-state-from-round": start})
       for start in (20, 40)],
@@ -563,10 +563,11 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         if mime is not None:
             mime.update([metrics for _, metrics in updates])
         if average_optimizer_state:
-            shared = shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
-                                            [metrics for _, metrics in updates], average_optimizer_state)
-            for store in stores:  # an empty state is a fresh AdamW
-                store.put(OPTIMIZER_SITE_STATE, shared if server_round >= shared_state_from_round else {})
+            shared = (shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
+                                             [metrics for _, metrics in updates], average_optimizer_state)
+                      if server_round >= shared_state_from_round else {})  # an empty state is a fresh AdamW
+            for store in stores:
+                store.put(OPTIMIZER_SITE_STATE, shared)
         if server_adam_lr:
             state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names, tau=server_adam_tau)
         else:

@@ -25,8 +25,9 @@
 # OUT/<name>.log, and is stopped after SEARCH_TIMEOUT_S seconds (default 480); OUT/factory-gpu.tar.gz
 # holds every search's folder without the generator weights.
 set -u
-out=${1:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|guided16|guided32|guided64|all|A,B,... [SECONDS_PER_GENERATOR]}
-which=${2:?usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|guided16|guided32|guided64|all|A,B,... [SECONDS_PER_GENERATOR]}
+usage="usage: bash bench/gpu_factory.sh OUT gpu32px|cpu64ch|preset64|guided16|guided32|guided64|all|A,B,... [SECONDS_PER_GENERATOR]"
+out=${1:?$usage}
+which=${2:?$usage}
 seconds=${3:-18}
 [ "$which" = all ] && which=gpu32px,cpu64ch,preset64
 IFS=, read -ra searches <<<"$which"
