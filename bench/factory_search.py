@@ -295,8 +295,9 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
             **{k: p2p[k] for k in ("best_epoch", "last_epoch", "classifier_seconds", "experts")},
         }  # fmt: skip
     guides, guide_seconds = None, 0.0
-    if cfg.factory.guide_steps:  # the guides a run's sites would upload, cached like the generators
-        guide_library, guide_dir, guide_seconds = site_library(guide_config(cfg), sites, out / "generators", device, site_workers)
+    guided = guide_config(cfg, library.image_shape[-1])
+    if guided:  # the guides a run's sites would upload, cached like the generators
+        guide_library, guide_dir, guide_seconds = site_library(guided, sites, out / "generators", device, site_workers)
         guides = Guides(guide_library, f"-guide{guide_dir.name}-w{cfg.factory.guidance_weight:g}")
     start = time.perf_counter()
     synthetic = server_synthetic_set(cfg, library, library_dir, device, guides)

@@ -100,6 +100,8 @@ class FedNCASection(_Section):
 SMALL_IMAGE_SIDE, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS = 16, 300, 1000
 # factory.p2p-samples-per-class = 0: above SMALL_IMAGE_SIDE px at least this many per lacking class.
 LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS = 500
+# factory.guide-steps = AUTO_GUIDE_STEPS: guides by image side (fedskew.factory.site.guide_steps).
+AUTO_GUIDE_STEPS = -1
 
 
 def by_image_side(setting: int, image_side: int, small: int, large: int) -> int:
@@ -201,10 +203,12 @@ class FactorySection(_Section):
 
     sampler_steps: int = Field(16, ge=2, le=1000, description="Deterministic Heun sampler steps (the paper: 50).")
     guide_steps: int = Field(
-        0, ge=0, le=10_000_000, description="Autoguidance (Karras et al. 2024; 0 = off): each site also trains a "
-        "guide per generator, the CPU preset at its own width, for this many steps, audits it and uploads it with "
-        "the generator (a generator whose guide is withheld is withheld with it); the server then draws guide + "
-        "`factory.guidance-weight` x (generator - guide). Method factory only, without DP-SGD."
+        AUTO_GUIDE_STEPS, ge=AUTO_GUIDE_STEPS, le=10_000_000, description="Autoguidance (Karras et al. 2024): each "
+        "site also trains a guide per generator, the CPU preset at its own width, for this many steps, audits it "
+        "and uploads it with the generator (a generator whose guide is withheld is withheld with it); the server "
+        "then draws guide + `factory.guidance-weight` x (generator - guide). Method factory only, without DP-SGD "
+        f"(0 = off; {AUTO_GUIDE_STEPS} = by image side: off up to {SMALL_IMAGE_SIDE} px, for factory-p2p and under "
+        "DP-SGD, above it a quarter of the CPU preset's steps, 150 at 28-32 px)."
     )
     guidance_weight: float = Field(
         2.0, ge=1, le=10, description="Autoguidance weight w of `factory.guide-steps` (1 = the generator alone)."
@@ -499,7 +503,7 @@ class RunConfig(_Section):
                 raise ValueError(problems[0])
         if self.centralized_model == "fednca" and self.label_kind == "single":
             raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
-        if self.factory.guide_steps and self.method == "factory-p2p":
+        if self.factory.guide_steps > 0 and self.method == "factory-p2p":
             raise _field_error("factory.guide-steps", self.factory.guide_steps, "0 for method "
                                f"{self.method!r} (autoguidance guides the server's synthesis of method 'factory'; "
                                "factory-p2p sites draw unguided)")  # fmt: skip

@@ -23,7 +23,8 @@ class ProgressReporter:
     """Call it after every step with (step, total, loss): it prints `label: step k/n, loss, items/s, ETA`
     when `interval_s` has passed since its last line, and always on the first and the last step.
 
-    `items_per_step` turns steps into a rate (images per step = the batch size); `clock` and `emit` are
+    `items_per_step` turns steps into a rate (images per step = the batch size); `counted` names what a
+    step is ("image" where the work counts images, not optimiser steps); `clock` and `emit` are
     injectable so that tests need neither sleeps nor captured stdout."""
 
     def __init__(
@@ -32,12 +33,14 @@ class ProgressReporter:
         items_per_step: int = 1,
         unit: str = "images",
         interval_s: float = DEFAULT_INTERVAL_S,
+        counted: str = "step",
         clock: Callable[[], float] = time.monotonic,
         emit: Callable[[str], None] | None = None,
     ):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self.label, self.items_per_step, self.unit, self.interval_s = label, items_per_step, unit, interval_s
+        self.counted = counted
         self.clock = clock
         self.emit = emit or (lambda line: print(line, flush=True))
         self.started = clock()
@@ -52,7 +55,7 @@ class ProgressReporter:
         self.emit(self.line(step, total, loss, now - self.started))
 
     def line(self, step: int, total: int, loss: float | None, elapsed: float) -> str:
-        parts = [f"{self.label}: step {step}/{total}"]
+        parts = [f"{self.label}: {self.counted} {step}/{total}"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         if elapsed > 0:

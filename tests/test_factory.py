@@ -346,23 +346,24 @@ def test_a_site_trains_guides_only_for_what_it_uploads_and_withholds_a_generator
                                      "factory.generator-channels": 32, "factory.guide-steps": 7, "factory.max-memorization": 0.3})  # fmt: skip
     asked = {}
 
-    def guides_trained(guide_cfg, site, device, only):
-        asked.update(cfg=guide_cfg, only=only)
+    def guides_trained(guide_cfg, site, device, only, kind):
+        asked.update(cfg=guide_cfg, only=only, kind=kind)
         shares = {"site0-class1": 0.0, "site0-class3": 0.4}
         return [dataclasses.replace(make_module(0, int(m[-1])), memorization=shares[m]) for m in only], {"generator_seconds": 2.0}
 
     monkeypatch.setattr(site_module, "train_site_generators", guides_trained)
     modules = [make_module(0, 1), make_module(0, 3)]
     earlier = [{"module-id": "site0-class2", "reason": "0.500 of audit samples memorised"}]
-    kept, guides, withheld, metrics = site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
+    guided = guide_config(cfg, 8)
+    kept, guides, withheld, metrics = site_module.trained_guides(cfg, guided, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
     # Guides train for the generators the site keeps, at the CPU preset's own width for factory.guide-steps steps.
-    assert asked["only"] == ["site0-class1", "site0-class3"]
+    assert asked["only"] == ["site0-class1", "site0-class3"] and asked["kind"] == "guide"
     assert (asked["cfg"].factory.generator_channels, asked["cfg"].factory.generator_steps, asked["cfg"].factory.generator) == (0, 7, "cpu")
     assert [m.module_id for m in kept] == [g.module_id for g in guides] == ["site0-class1"]
     assert withheld == [*earlier, {"module-id": "site0-class3", "reason": "its guide: 0.400 of audit samples memorised"}]
     assert metrics == {"guide_generator_seconds": 2.0}
     with pytest.raises(MemorizationRefusal, match="the guides of factory.guide-steps"):
-        site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules[1:], [], torch.device("cpu"))
+        site_module.trained_guides(cfg, guided, SimpleNamespace(site_id=0), modules[1:], [], torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("side", "expected"), [(8, 20), (28, 500)])
@@ -398,6 +399,25 @@ def test_factory_methods_need_single_label_data():
 def test_autoguidance_is_refused_where_it_does_not_apply(extra, reason):
     with pytest.raises(ValueError, match=reason):
         RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.guide-steps": 5, **extra})
+
+
+def guide_steps_at(side: int, **keys) -> int:
+    cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", **keys})
+    guided = guide_config(cfg, side)
+    return guided.factory.generator_steps if guided else 0
+
+
+@pytest.mark.parametrize("side", [8, 16, 28, 32, 64])
+def test_autoguidance_by_default_trains_guides_a_quarter_as_long_as_the_cpu_presets_generators_above_16_px(side):
+    # The CPU preset's steps at 64 px images the generators' batch of 64: 25,600 images at 8-16 px
+    # (400 steps), 200 steps more per extra UNet level (600 at 28-32 px, 800 at 64 px).
+    preset_steps = {8: 400, 16: 400, 28: 600, 32: 600, 64: 800}[side]
+    assert guide_steps_at(side) == (0 if side <= 16 else preset_steps // 4)
+    # Explicit values hold at every side; the automatic guides step aside where guidance does not apply.
+    assert guide_steps_at(side, **{"factory.guide-steps": 7}) == 7
+    assert guide_steps_at(side, **{"factory.guide-steps": 0}) == 0
+    assert guide_steps_at(side, method="factory-p2p") == 0
+    assert guide_steps_at(side, **{"factory.dp-noise-multiplier": 1.0}) == 0
 
 
 # --- end to end ------------------------------------------------------------------------------------------
@@ -631,7 +651,7 @@ def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_
     planned = {
         p.module_id: p.config
         for site in (simulated_site(cfg, k, 3) for k in range(3))
-        for p in planned_modules(guide_config(cfg), site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
+        for p in planned_modules(guide_config(cfg, 8), site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
     }  # fmt: skip
     assert all(g.config == planned[g.module_id] for g in guides.modules)
     # The server's synthetic set is the library's draw guided at factory.guidance-weight (2): drawn again

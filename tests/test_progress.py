@@ -37,3 +37,12 @@ def test_line_states_rate_eta_and_loss_from_the_clock():
 
 def test_format_duration():
     assert [format_duration(s) for s in (0, 59.4, 61, 3600 + 62)] == ["0s", "59s", "1m01s", "1h01m02s"]
+
+
+def test_work_counted_in_images_says_so():
+    clock, lines = FakeClock(), []
+    report = ProgressReporter("synthesising", counted="image", interval_s=20, clock=clock, emit=lines.append)
+    clock.now += 4.0
+    report(100, 400)
+    # 100 images in 4 s; 300 left at 0.04 s each = 12 s.
+    assert lines == ["synthesising: image 100/400, 25.0 images/s, elapsed 4s, ETA 12s"]

@@ -563,7 +563,8 @@ def synthesise(
     by_module: dict[str, list[int]] = {}
     for index, job in enumerate(jobs):
         by_module.setdefault(job.module_id, []).append(index)
-    report = ProgressReporter("synthesising") if progress else None
+    label = f"synthesising, autoguided at w = {guidance_weight:g}" if guides is not None else "synthesising"
+    report = ProgressReporter(label, counted="image") if progress else None
     total, done = sum(j.count for j in jobs), 0
 
     def count_done(drawn: list[np.ndarray]) -> None:

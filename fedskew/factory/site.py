@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedskew.config import FactorySection, RunConfig
+from fedskew.config import AUTO_GUIDE_STEPS, SMALL_IMAGE_SIDE, FactorySection, RunConfig
 from fedskew.data.pixels import unit_float
 from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
@@ -217,11 +217,11 @@ def classes_only(site: SiteData, classes: tuple[int, ...]) -> SiteData:
 
 
 def train_audited_module(
-    cfg: RunConfig, site: SiteData, planned: PlannedModule, position: str, device: torch.device
+    cfg: RunConfig, site: SiteData, planned: PlannedModule, position: str, device: torch.device, kind: str = "generator"
 ) -> tuple[GeneratorModule, Elapsed, Elapsed]:
     """Train the planned generator on the site's images of its classes and audit it for memorisation;
-    returns the module (EMA weights) and the training's and the audit's time. `position` ("k/n") labels
-    its progress lines."""
+    returns the module (EMA weights) and the training's and the audit's time. `kind` ("generator" or
+    "guide") and `position` ("k/n") label its progress lines."""
     factory = cfg.factory
     chosen = np.isin(site.train_labels, planned.classes)
     private = None if planned.privacy is None else DpSgd(
@@ -232,7 +232,7 @@ def train_audited_module(
         model, stats = train_generator(
             site.train_images[chosen], site.train_labels[chosen] if planned.conditional else None,
             planned.config, device=device,
-            progress=ProgressReporter(f"site {site.site_id}: generator {position} {planned.module_id}", planned.config.batch_size),
+            progress=ProgressReporter(f"site {site.site_id}: {kind} {position} {planned.module_id}", planned.config.batch_size),
             private=private,
         )  # fmt: skip
     with timed(audit):
@@ -240,7 +240,7 @@ def train_audited_module(
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     dp = "" if planned.privacy is None else f", DP epsilon {planned.privacy['epsilon']:.3g} at delta {planned.privacy['delta']:.3g}"
     print(
-        f"site {site.site_id}: generator {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
+        f"site {site.site_id}: {kind} {planned.module_id} on {int(chosen.sum())} images, {stats.steps} steps, "
         f"{stats.wall_time_s:.0f} s, memorised share {score:.3f}{dp}",
         flush=True,
     )
@@ -268,12 +268,12 @@ def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModu
 
 
 def trained_guides(
-    cfg: RunConfig, site: SiteData, modules: list[GeneratorModule], withheld: list[dict], device: torch.device
+    cfg: RunConfig, guided: RunConfig, site: SiteData, modules: list[GeneratorModule], withheld: list[dict], device: torch.device
 ) -> tuple[list[GeneratorModule], list[GeneratorModule], list[dict], dict]:
-    """factory.guide-steps: a guide for each generator the site will upload, audited like it; a generator
-    whose guide is withheld is withheld with it. Returns (generators, their guides, withheld, guide timing
-    metrics)."""
-    guides, metrics = train_site_generators(guide_config(cfg), site, device, only=[m.module_id for m in modules])
+    """factory.guide-steps: a guide for each generator the site will upload, trained under `guided` (its
+    `guide_config`) and audited like it; a generator whose guide is withheld is withheld with it. Returns
+    (generators, their guides, withheld, guide timing metrics)."""
+    guides, metrics = train_site_generators(guided, site, device, only=[m.module_id for m in modules], kind="guide")
     try:
         guides, guides_withheld = uploaded_modules(cfg, site, guides, what="its guide: ")
     except MemorizationRefusal as err:
@@ -287,19 +287,36 @@ def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
     return planned_modules(cfg, site.site_id, label_counts(site), tuple(site.train_images.shape[1:]))
 
 
-def guide_config(cfg: RunConfig) -> RunConfig:
-    """The run config a site's autoguidance guides train under (factory.guide-steps): the CPU preset at its
-    own width for factory.guide-steps steps, everything else as for the generators. A guide is planned like
-    its generator, so it has the generator's module id, classes and seed (the runs that measured
-    autoguidance trained their guides so)."""
-    factory = cfg.factory.model_copy(
-        update={"generator": "cpu", "generator_channels": 0, "generator_steps": cfg.factory.guide_steps, "generator_images": 0}
-    )
+def guide_steps(cfg: RunConfig, image_side: int) -> int:
+    """The steps of each autoguidance guide for `image_side` px images (0 = unguided): factory.guide-steps,
+    or where it is -1 (the default) none up to SMALL_IMAGE_SIDE px, in factory-p2p runs or under DP-SGD,
+    and above it a quarter of the CPU preset's steps at that side (150 at 28-32 px). The side rule is what
+    the runs measured: at 8 px guidance moved accuracy by -0.1 to +0.4 points at twice the run's time; on
+    28 px digits guides of a quarter of the generators' steps moved it by +0.9 ± 1.4 points over three
+    seeds at 1.5 times the time, and textured shapes at 16 and 32 px gained 3.5-10.5 points
+    (docs/benchmarks-factory.md)."""
+    factory = cfg.factory
+    if factory.guide_steps != AUTO_GUIDE_STEPS:
+        return factory.guide_steps
+    if image_side <= SMALL_IMAGE_SIDE or cfg.method != "factory" or factory.dp_noise_multiplier > 0:
+        return 0
+    return cpu_preset(image_side).total_steps // 4
+
+
+def guide_config(cfg: RunConfig, image_side: int) -> RunConfig | None:
+    """The run config a site's autoguidance guides train under for `image_side` px images (None when
+    `guide_steps` is 0): the CPU preset at its own width for `guide_steps` steps, everything else as for
+    the generators. A guide is planned like its generator, so it has the generator's module id, classes
+    and seed (the runs that measured autoguidance trained their guides so)."""
+    steps = guide_steps(cfg, image_side)
+    if not steps:
+        return None
+    factory = cfg.factory.model_copy(update={"generator": "cpu", "generator_channels": 0, "generator_steps": steps, "generator_images": 0})
     return cfg.model_copy(update={"factory": factory})
 
 
 def train_site_generators(
-    cfg: RunConfig, site: SiteData, device: torch.device, only: Sequence[str] | None = None
+    cfg: RunConfig, site: SiteData, device: torch.device, only: Sequence[str] | None = None, kind: str = "generator"
 ) -> tuple[list[GeneratorModule], dict]:
     """One unconditional generator per class held (or one conditional one; with `only`, those of the
     plan's module ids), each audited, in factory.parallel-generators worker processes side by side; returns
@@ -314,7 +331,7 @@ def train_site_generators(
         )
     check_epsilon(plan, factory.max_epsilon)
     workers = worker_count(factory.parallel_generators, len(plan), device)
-    jobs = [(cfg, classes_only(site, planned.classes), planned, f"{k}/{len(plan)}", device) for k, planned in enumerate(plan, 1)]
+    jobs = [(cfg, classes_only(site, planned.classes), planned, f"{k}/{len(plan)}", device, kind) for k, planned in enumerate(plan, 1)]
     modules, training, audit = [], Elapsed(), Elapsed()
     for module, module_training, module_audit in run_side_by_side(train_audited_module, jobs, workers):
         modules.append(module)

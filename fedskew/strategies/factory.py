@@ -214,10 +214,11 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     modules, metrics = train_site_generators(cfg, site, device)
     modules, withheld = uploaded_modules(cfg, site, modules)
     guides = []
-    if cfg.factory.guide_steps:
-        modules, guides, withheld, guide_metrics = trained_guides(cfg, site, modules, withheld, device)
-        metrics.update(guide_metrics)
     shape = list(site.train_images.shape[1:])
+    guided = guide_config(cfg, shape[-1])
+    if guided:
+        modules, guides, withheld, guide_metrics = trained_guides(cfg, guided, site, modules, withheld, device)
+        metrics.update(guide_metrics)
     manifest = {"site-id": site.site_id, "image-shape": shape, "modules": [m.metadata() for m in modules], "withheld": withheld}
     content = encode_modules(manifest, modules)
     if guides:
@@ -371,7 +372,7 @@ class FactoryFlow(RecordingMixin):
         identities, refused = site_identities(survey, task.num_classes)
         image_shape = tuple(task.image_shape)
         max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
-        guided = guide_config(cfg) if cfg.factory.guide_steps else None
+        guided = guide_config(cfg, image_shape[-1])
         guide_max_bytes = generator_payload_limit(guided, image_shape, task.num_classes) if guided else 0
 
         def check_guides(identity: SiteIdentity, reply: Message, modules: list[GeneratorModule]) -> list[GeneratorModule]:
