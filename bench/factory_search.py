@@ -295,7 +295,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
             **{k: p2p[k] for k in ("best_epoch", "last_epoch", "classifier_seconds", "experts")},
         }  # fmt: skip
     guides, guide_seconds = None, 0.0
-    guided = guide_config(cfg, library.image_shape[-1])
+    guided = guide_config(cfg)
     if guided:  # the guides a run's sites would upload, cached like the generators
         guide_library, guide_dir, guide_seconds = site_library(guided, sites, out / "generators", device, site_workers)
         guides = Guides(guide_library, f"-guide{guide_dir.name}-w{cfg.factory.guidance_weight:g}")

@@ -5,7 +5,8 @@
 #
 # SEARCH is one in-process search (bench.factory_search) of 10 single-class silos, seed 0 (SEEDS), against the
 # same small CNN trained 60 epochs on the pooled real images, the server classifier at 20 and at 60 epochs (the
-# guided searches at 60 only, their variants most telling first, so a search stopped early keeps those):
+# guided searches at 60 only, their variants most telling first, so a search stopped early keeps those; every
+# unguided variant sets factory.guide-steps=0, as generators wider than the CPU preset are guided by default):
 #   gpu32px   32 px, the paper's generator architecture (factory.generator='gpu-32px': 128 channels,
 #             4 levels, 3 blocks, ~50 M parameters), each generator trained SECONDS_PER_GENERATOR
 #             seconds (default 18; --generator-seconds sets factory.generator-images from the measured
@@ -53,13 +54,13 @@ search() {  # NAME, then factory_search arguments
         --out "$out/$name" >"$out/$name.log" 2>&1
     echo "$name: exit $?" >>"$out/gpu.txt"
 }
-gpu32px() { search "shapes-32px-gpu32px-$tag" --image-size 32 --base "factory.generator='gpu-32px'" --generator-seconds "$seconds" "${default_epochs[@]}"; }
-cpu64ch() { search "shapes-32px-cpu64ch-$tag" --image-size 32 --base "factory.generator-channels=64" --generator-seconds "$seconds" "${default_epochs[@]}"; }
+gpu32px() { search "shapes-32px-gpu32px-$tag" --image-size 32 --base "factory.generator='gpu-32px' factory.guide-steps=0" --generator-seconds "$seconds" "${default_epochs[@]}"; }
+cpu64ch() { search "shapes-32px-cpu64ch-$tag" --image-size 32 --base "factory.generator-channels=64 factory.guide-steps=0" --generator-seconds "$seconds" "${default_epochs[@]}"; }
 preset64() { search "shapes-64px-preset-$tag" --image-size 64 "${default_epochs[@]}"; }
 guided() {  # IMAGE_SIDE
     local side=$1 guide="factory.guide-steps=200 factory.guidance-weight=2" steps=${GUIDED_STEPS:-800}
     search "shapes-${side}px-wide32-lr0.04-${steps}steps-$tag" --image-size "$side" \
-        --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=$steps" \
+        --base "factory.generator-channels=32 factory.generator-lr=0.04 factory.generator-steps=$steps factory.guide-steps=0" \
         --variant "epochs-60+1000x+guide200-w2: factory.classifier-epochs=60 factory.samples-per-class=1000 $guide" \
         --variant "epochs-60: factory.classifier-epochs=60" \
         --variant "epochs-60+1000x: factory.classifier-epochs=60 factory.samples-per-class=1000" \

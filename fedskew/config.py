@@ -100,8 +100,9 @@ class FedNCASection(_Section):
 SMALL_IMAGE_SIDE, SMALL_IMAGE_SAMPLES_PER_CLASS, LARGE_IMAGE_SAMPLES_PER_CLASS = 16, 300, 1000
 # factory.p2p-samples-per-class = 0: above SMALL_IMAGE_SIDE px at least this many per lacking class.
 LARGE_IMAGE_EXPERT_SAMPLES_PER_CLASS = 500
-# factory.guide-steps = AUTO_GUIDE_STEPS: guides by image side (fedskew.factory.site.guide_steps).
-AUTO_GUIDE_STEPS = -1
+# factory.guide-steps = AUTO_GUIDE_STEPS: guides of AUTO_GUIDE_STEPS_WIDE steps under generators wider than
+# the CPU preset, else none (fedskew.factory.site.guide_steps).
+AUTO_GUIDE_STEPS, AUTO_GUIDE_STEPS_WIDE = -1, 200
 
 
 def by_image_side(setting: int, image_side: int, small: int, large: int) -> int:
@@ -207,8 +208,9 @@ class FactorySection(_Section):
         "site also trains a guide per generator, the CPU preset at its own width, for this many steps, audits it "
         "and uploads it with the generator (a generator whose guide is withheld is withheld with it); the server "
         "then draws guide + `factory.guidance-weight` x (generator - guide). Method factory only, without DP-SGD "
-        f"(0 = off; {AUTO_GUIDE_STEPS} = by image side: off up to {SMALL_IMAGE_SIDE} px, for factory-p2p and under "
-        "DP-SGD, above it a quarter of the CPU preset's steps, 150 at 28-32 px)."
+        f"(0 = off; {AUTO_GUIDE_STEPS} = {AUTO_GUIDE_STEPS_WIDE} steps when the generators are wider than the CPU "
+        "preset, i.e. `factory.generator-channels` above 16 or the gpu-32px preset, else off, and off for "
+        "factory-p2p and under DP-SGD)."
     )
     guidance_weight: float = Field(
         2.0, ge=1, le=10, description="Autoguidance weight w of `factory.guide-steps` (1 = the generator alone)."

@@ -15,7 +15,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedskew.cli import main as cli_main
-from fedskew.config import RunConfig
+from fedskew.config import AUTO_GUIDE_STEPS_WIDE, RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, stratified_holdout
 from fedskew.factory.library import (
@@ -354,7 +354,7 @@ def test_a_site_trains_guides_only_for_what_it_uploads_and_withholds_a_generator
     monkeypatch.setattr(site_module, "train_site_generators", guides_trained)
     modules = [make_module(0, 1), make_module(0, 3)]
     earlier = [{"module-id": "site0-class2", "reason": "0.500 of audit samples memorised"}]
-    guided = guide_config(cfg, 8)
+    guided = guide_config(cfg)
     kept, guides, withheld, metrics = site_module.trained_guides(cfg, guided, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
     # Guides train for the generators the site keeps, at the CPU preset's own width for factory.guide-steps steps.
     assert asked["only"] == ["site0-class1", "site0-class3"] and asked["kind"] == "guide"
@@ -401,23 +401,25 @@ def test_autoguidance_is_refused_where_it_does_not_apply(extra, reason):
         RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.guide-steps": 5, **extra})
 
 
-def guide_steps_at(side: int, **keys) -> int:
+def guided_steps(**keys) -> int:
     cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", **keys})
-    guided = guide_config(cfg, side)
+    guided = guide_config(cfg)
     return guided.factory.generator_steps if guided else 0
 
 
-@pytest.mark.parametrize("side", [8, 16, 28, 32, 64])
-def test_autoguidance_by_default_trains_guides_a_quarter_as_long_as_the_cpu_presets_generators_above_16_px(side):
-    # The CPU preset's steps at 64 px images the generators' batch of 64: 25,600 images at 8-16 px
-    # (400 steps), 200 steps more per extra UNet level (600 at 28-32 px, 800 at 64 px).
-    preset_steps = {8: 400, 16: 400, 28: 600, 32: 600, 64: 800}[side]
-    assert guide_steps_at(side) == (0 if side <= 16 else preset_steps // 4)
-    # Explicit values hold at every side; the automatic guides step aside where guidance does not apply.
-    assert guide_steps_at(side, **{"factory.guide-steps": 7}) == 7
-    assert guide_steps_at(side, **{"factory.guide-steps": 0}) == 0
-    assert guide_steps_at(side, method="factory-p2p") == 0
-    assert guide_steps_at(side, **{"factory.dp-noise-multiplier": 1.0}) == 0
+@pytest.mark.parametrize(("generators", "expected"), [
+    ({}, 0),  # the CPU preset: its guides would be as wide as it, and measured gained nothing
+    ({"factory.generator-channels": 16}, 0),
+    ({"factory.generator-channels": 32}, AUTO_GUIDE_STEPS_WIDE),
+    ({"factory.generator": "gpu-32px"}, AUTO_GUIDE_STEPS_WIDE),
+])  # fmt: skip
+def test_autoguidance_by_default_guides_generators_wider_than_the_cpu_preset(generators, expected):
+    assert guided_steps(**generators) == expected
+    # Explicit values hold for any generators; the automatic guides step aside where guidance does not apply.
+    assert guided_steps(**generators, **{"factory.guide-steps": 7}) == 7
+    assert guided_steps(**generators, **{"factory.guide-steps": 0}) == 0
+    assert guided_steps(**generators, method="factory-p2p") == 0
+    assert guided_steps(**generators, **{"factory.dp-noise-multiplier": 1.0}) == 0
 
 
 # --- end to end ------------------------------------------------------------------------------------------
@@ -651,7 +653,7 @@ def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_
     planned = {
         p.module_id: p.config
         for site in (simulated_site(cfg, k, 3) for k in range(3))
-        for p in planned_modules(guide_config(cfg, 8), site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
+        for p in planned_modules(guide_config(cfg), site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
     }  # fmt: skip
     assert all(g.config == planned[g.module_id] for g in guides.modules)
     # The server's synthetic set is the library's draw guided at factory.guidance-weight (2): drawn again

@@ -251,7 +251,7 @@ def untrained_modules(cfg: RunConfig, site: int, counts: list[int]) -> list[Gene
 def guided_upload(site: int, guides_of=None, manifest_changes=None) -> RecordDict:
     """Site `site`'s upload with guides (`guides_of(guides)` forges them, `manifest_changes` the guide manifest)."""
     counts = dict(SITES.values())[site]
-    modules, guides = untrained_modules(GUIDED, site, counts), untrained_modules(guide_config(GUIDED, TASK.image_shape[-1]), site, counts)
+    modules, guides = untrained_modules(GUIDED, site, counts), untrained_modules(guide_config(GUIDED), site, counts)
     guides = guides_of(guides) if guides_of else guides
     meta = {"site-id": site, "image-shape": list(TASK.image_shape)}
     content = encode_modules({**meta, "modules": [m.metadata() for m in modules]}, modules)
@@ -269,7 +269,7 @@ def as_generator_config(guides):
 def trained_longer(guides):
     """Guides of the same architecture but another step count than factory.guide-steps."""
     longer = GUIDED.model_copy(update={"factory": GUIDED.factory.model_copy(update={"guide_steps": 30})})
-    return untrained_modules(guide_config(longer, TASK.image_shape[-1]), guides[0].site_id, dict(SITES.values())[guides[0].site_id])
+    return untrained_modules(guide_config(longer), guides[0].site_id, dict(SITES.values())[guides[0].site_id])
 
 
 def no_guide_manifest(honest):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedskew.config import AUTO_GUIDE_STEPS, SMALL_IMAGE_SIDE, FactorySection, RunConfig
+from fedskew.config import AUTO_GUIDE_STEPS, AUTO_GUIDE_STEPS_WIDE, FactorySection, RunConfig
 from fedskew.data.pixels import unit_float
 from fedskew.data.site_folder import DeployedSite
 from fedskew.data.sites import SiteData
@@ -287,28 +287,29 @@ def site_plan(cfg: RunConfig, site: SiteData) -> list[PlannedModule]:
     return planned_modules(cfg, site.site_id, label_counts(site), tuple(site.train_images.shape[1:]))
 
 
-def guide_steps(cfg: RunConfig, image_side: int) -> int:
-    """The steps of each autoguidance guide for `image_side` px images (0 = unguided): factory.guide-steps,
-    or where it is -1 (the default) none up to SMALL_IMAGE_SIDE px, in factory-p2p runs or under DP-SGD,
-    and above it a quarter of the CPU preset's steps at that side (150 at 28-32 px). The side rule is what
-    the runs measured: at 8 px guidance moved accuracy by -0.1 to +0.4 points at twice the run's time; on
-    28 px digits guides of a quarter of the generators' steps moved it by +0.9 ± 1.4 points over three
-    seeds at 1.5 times the time, and textured shapes at 16 and 32 px gained 3.5-10.5 points
-    (docs/benchmarks-factory.md)."""
+def guide_steps(cfg: RunConfig) -> int:
+    """The steps of each autoguidance guide (0 = unguided): factory.guide-steps, or where it is -1 (the
+    default) AUTO_GUIDE_STEPS_WIDE for method factory when its generators are wider than the CPU preset
+    (factory.generator-channels above 16, or the gpu-32px preset), else none. That is what the runs
+    measured (docs/benchmarks-factory.md): guides of the CPU preset under generators of the same width
+    moved accuracy by -0.8 to +0.9 points (8 px and 28 px digits, 32 px shapes) at 1.5-2 times the run's
+    time; under 32-channel generators, 200-step guides added 3.5-10.5 points on textured shapes at 16 and
+    32 px. factory-p2p and DP-SGD runs draw unguided."""
     factory = cfg.factory
     if factory.guide_steps != AUTO_GUIDE_STEPS:
         return factory.guide_steps
-    if image_side <= SMALL_IMAGE_SIDE or cfg.method != "factory" or factory.dp_noise_multiplier > 0:
+    wider = factory.generator == "gpu-32px" or factory.generator_channels > CPU_PRESET.model_channels
+    if not wider or cfg.method != "factory" or factory.dp_noise_multiplier > 0:
         return 0
-    return cpu_preset(image_side).total_steps // 4
+    return AUTO_GUIDE_STEPS_WIDE
 
 
-def guide_config(cfg: RunConfig, image_side: int) -> RunConfig | None:
-    """The run config a site's autoguidance guides train under for `image_side` px images (None when
-    `guide_steps` is 0): the CPU preset at its own width for `guide_steps` steps, everything else as for
-    the generators. A guide is planned like its generator, so it has the generator's module id, classes
-    and seed (the runs that measured autoguidance trained their guides so)."""
-    steps = guide_steps(cfg, image_side)
+def guide_config(cfg: RunConfig) -> RunConfig | None:
+    """The run config a site's autoguidance guides train under (None when `guide_steps` is 0): the CPU
+    preset at its own width for `guide_steps` steps, everything else as for the generators. A guide is
+    planned like its generator, so it has the generator's module id, classes and seed (the runs that
+    measured autoguidance trained their guides so)."""
+    steps = guide_steps(cfg)
     if not steps:
         return None
     factory = cfg.factory.model_copy(update={"generator": "cpu", "generator_channels": 0, "generator_steps": steps, "generator_images": 0})

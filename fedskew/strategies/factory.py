@@ -215,7 +215,7 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     modules, withheld = uploaded_modules(cfg, site, modules)
     guides = []
     shape = list(site.train_images.shape[1:])
-    guided = guide_config(cfg, shape[-1])
+    guided = guide_config(cfg)
     if guided:
         modules, guides, withheld, guide_metrics = trained_guides(cfg, guided, site, modules, withheld, device)
         metrics.update(guide_metrics)
@@ -372,7 +372,7 @@ class FactoryFlow(RecordingMixin):
         identities, refused = site_identities(survey, task.num_classes)
         image_shape = tuple(task.image_shape)
         max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
-        guided = guide_config(cfg, image_shape[-1])
+        guided = guide_config(cfg)
         guide_max_bytes = generator_payload_limit(guided, image_shape, task.num_classes) if guided else 0
 
         def check_guides(identity: SiteIdentity, reply: Message, modules: list[GeneratorModule]) -> list[GeneratorModule]:
