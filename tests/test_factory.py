@@ -354,8 +354,7 @@ def test_a_site_trains_guides_only_for_what_it_uploads_and_withholds_a_generator
     monkeypatch.setattr(site_module, "train_site_generators", guides_trained)
     modules = [make_module(0, 1), make_module(0, 3)]
     earlier = [{"module-id": "site0-class2", "reason": "0.500 of audit samples memorised"}]
-    guided = guide_config(cfg)
-    kept, guides, withheld, metrics = site_module.trained_guides(cfg, guided, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
+    kept, guides, withheld, metrics = site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules, earlier, torch.device("cpu"))
     # Guides train for the generators the site keeps, at the CPU preset's own width for factory.guide-steps steps.
     assert asked["only"] == ["site0-class1", "site0-class3"] and asked["kind"] == "guide"
     assert (asked["cfg"].factory.generator_channels, asked["cfg"].factory.generator_steps, asked["cfg"].factory.generator) == (0, 7, "cpu")
@@ -363,7 +362,7 @@ def test_a_site_trains_guides_only_for_what_it_uploads_and_withholds_a_generator
     assert withheld == [*earlier, {"module-id": "site0-class3", "reason": "its guide: 0.400 of audit samples memorised"}]
     assert metrics == {"guide_generator_seconds": 2.0}
     with pytest.raises(MemorizationRefusal, match="the guides of factory.guide-steps"):
-        site_module.trained_guides(cfg, guided, SimpleNamespace(site_id=0), modules[1:], [], torch.device("cpu"))
+        site_module.trained_guides(cfg, SimpleNamespace(site_id=0), modules[1:], [], torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("side", "expected"), [(8, 20), (28, 500)])

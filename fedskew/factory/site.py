@@ -268,12 +268,12 @@ def uploaded_modules(cfg: RunConfig, site: SiteData, modules: list[GeneratorModu
 
 
 def trained_guides(
-    cfg: RunConfig, guided: RunConfig, site: SiteData, modules: list[GeneratorModule], withheld: list[dict], device: torch.device
+    cfg: RunConfig, site: SiteData, modules: list[GeneratorModule], withheld: list[dict], device: torch.device
 ) -> tuple[list[GeneratorModule], list[GeneratorModule], list[dict], dict]:
-    """factory.guide-steps: a guide for each generator the site will upload, trained under `guided` (its
-    `guide_config`) and audited like it; a generator whose guide is withheld is withheld with it. Returns
-    (generators, their guides, withheld, guide timing metrics)."""
-    guides, metrics = train_site_generators(guided, site, device, only=[m.module_id for m in modules], kind="guide")
+    """factory.guide-steps: a guide for each generator the site will upload, audited like it; a generator
+    whose guide is withheld is withheld with it. Returns (generators, their guides, withheld, guide timing
+    metrics)."""
+    guides, metrics = train_site_generators(guide_config(cfg), site, device, only=[m.module_id for m in modules], kind="guide")
     try:
         guides, guides_withheld = uploaded_modules(cfg, site, guides, what="its guide: ")
     except MemorizationRefusal as err:

@@ -57,6 +57,7 @@ from fedskew.factory.library import (
 from fedskew.factory.intensity import check_histograms, class_histograms, match_intensity
 from fedskew.factory.site import (
     guide_config,
+    guide_steps,
     planned_module,
     planned_modules,
     train_site_expert,
@@ -214,11 +215,10 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     modules, metrics = train_site_generators(cfg, site, device)
     modules, withheld = uploaded_modules(cfg, site, modules)
     guides = []
-    shape = list(site.train_images.shape[1:])
-    guided = guide_config(cfg)
-    if guided:
-        modules, guides, withheld, guide_metrics = trained_guides(cfg, guided, site, modules, withheld, device)
+    if guide_steps(cfg):
+        modules, guides, withheld, guide_metrics = trained_guides(cfg, site, modules, withheld, device)
         metrics.update(guide_metrics)
+    shape = list(site.train_images.shape[1:])
     manifest = {"site-id": site.site_id, "image-shape": shape, "modules": [m.metadata() for m in modules], "withheld": withheld}
     content = encode_modules(manifest, modules)
     if guides:
