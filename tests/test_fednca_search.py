@@ -14,6 +14,7 @@ from bench.fednca_search import (
     FirstMomentBiasRestart,
     MimeLite,
     bench_options,
+    epoch_part,
     federated_average,
     hold_then_decay,
     momentum_step,
@@ -29,7 +30,7 @@ from bench.fednca_search import (
 from fedskew import client_tasks
 from fedskew.client_tasks import OPTIMIZER_SITE_STATE
 from fedskew.config import RunConfig
-from fedskew.data.sites import load_task_dataset
+from fedskew.data.sites import SiteData, load_task_dataset
 from fedskew.models import backbones
 
 
@@ -311,3 +312,20 @@ def test_the_sites_share_the_averaged_optimiser_state_only_from_the_chosen_round
     with pytest.raises(ValueError, match="bench.shared-state-from-round"):
         with bench_options({"bench.shared-state-from-round": 20}):
             pass
+
+
+def test_epoch_parts_cover_each_image_once_per_epoch_in_an_order_drawn_afresh_each_epoch():
+    # 10 images whose pixel value is their index: parts of rounds 1-3 (epoch 0) partition them, and round 4
+    # (epoch 1) starts another order; one part is the site itself.
+    images = np.arange(10, dtype=np.uint8).reshape(10, 1, 1, 1)
+    site = SiteData(site_id=3, num_sites=10, train_images=images, train_labels=np.eye(10, dtype=np.float32),
+                    val_images=images[:1], val_labels=np.eye(10, dtype=np.float32)[:1], num_classes=10,
+                    class_names=tuple("abcdefghij"))
+    split = {r: epoch_part(site, r, 3, seed=0) for r in range(1, 7)}
+    for epoch_rounds in ((1, 2, 3), (4, 5, 6)):
+        seen = np.concatenate([split[r].train_images.ravel() for r in epoch_rounds])
+        assert sorted(seen) == list(range(10)) and all(len(split[r].train_labels) in (3, 4) for r in epoch_rounds)
+        for r in epoch_rounds:  # images and labels stay paired
+            assert np.array_equal(split[r].train_labels.argmax(1), split[r].train_images.ravel())
+    assert not np.array_equal(split[1].train_images, split[4].train_images)
+    assert epoch_part(site, 5, 1, seed=0) is site
