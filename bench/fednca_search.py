@@ -27,8 +27,9 @@ Diagnosis: every trial also records what separates a ranking failure from a cali
 validation macro-AUC and mAP, labels predicted per image at 0.5 against labels present, the
 macro-F1 at the one threshold that is best on validation (and the test F1 at it), the scores with
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
-after every round and, for federated methods, the sites' own models' mean validation AUC before the
-last average. Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
+after every round, for federated methods the sites' own models' mean validation AUC before the
+last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation images
+with the class features' cosine to their own prototypes (`loss_terms`). Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
 GroupNorm in the small CNN; `bench.server-momentum = beta`: FedAvgM's server momentum).
 """
 
@@ -268,6 +269,11 @@ TRIALS = [
     *[(f"fednca-e1-r60-warmup{epochs:g}ep" + (f"-lr{lr:g}" if lr != 3e-3 else ""), "fednca",
        {"num-server-rounds": 60, "local-epochs": 1, "fednca.warmup-epochs": epochs, "fednca.lr": lr})
       for epochs, lr in ((3, 3e-3), (6, 3e-3), (6, 6e-3), (12, 1e-2))],
+    # The federation's class features stay at cosine ~0 to their own prototypes (the contrastive term at its
+    # chance value ln K per present label): the LADM's class-specific attention never forms. Queries scaled by 8
+    # make the initial attention 8 times sharper, so the classes attend to different tokens from the start.
+    *[(f"{method}-e1-r60-q8", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.query-scale": 8.0})
+      for method in ("fednca", "centralized")],
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
@@ -686,11 +692,36 @@ def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
     return choose_threshold(threshold_counts(labels, probs, THRESHOLD_GRID), THRESHOLD_GRID)
 
 
-def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
+@torch.no_grad()
+def loss_terms(model: fednca_model.FedNCAModel, images: np.ndarray, labels: np.ndarray, cfg: RunConfig) -> dict:
+    """FedNCA-ML's three loss terms (unweighted, per image) of the model in evaluation mode on (images, labels),
+    and the mean cosine of each class feature f_bj to its own prototype w_j for present and for absent labels:
+    which term a model that stalls leaves high, and whether its class features tell present from absent."""
+    model.eval()
+    totals = {"bce": 0.0, "rejection": 0.0, "contrastive": 0.0}
+    cosines = {True: [], False: []}
+    for x, y in make_loader(images, labels, 256, shuffle=False):
+        logits, class_logits, features = model.forward_with_features(x)
+        y = y.float()
+        totals["bce"] += float(fednca_model.summed_bce(logits, y)) * len(x)
+        totals["rejection"] += float(fednca_model.negative_feature_rejection(
+            class_logits, y, cfg.fednca.margin, cfg.fednca.rejection_scope)) * len(x)
+        totals["contrastive"] += float(fednca_model.positive_feature_contrastive(
+            features, model.prototypes, y, cfg.fednca.tau)) * len(x)
+        own = (torch.nn.functional.normalize(features, dim=2) * torch.nn.functional.normalize(model.prototypes, dim=1)).sum(2)
+        for present in (True, False):
+            cosines[present].append(own[(y > 0.5) == present])
+    return {**{k: round(v / len(images), 4) for k, v in totals.items()},
+            "cos_present": round(float(torch.cat(cosines[True]).mean()), 4),
+            "cos_absent": round(float(torch.cat(cosines[False]).mean()), 4)}
+
+
+def diagnose(model: torch.nn.Module, sites: list[SiteData], data, cfg: RunConfig) -> dict:
     """Validation (and test) scores of the trained model, plus what tells a feature failure (low AUC/mAP)
     from a calibration failure (good ranking, nothing above 0.5): predicted labels per image, the F1 at a
-    threshold chosen on validation, and the scores with the BatchNorm statistics recomputed on the pooled
-    training data instead of averaged."""
+    threshold chosen on validation, the scores with the BatchNorm statistics recomputed on the pooled
+    training data instead of averaged, and for FedNCA-ML's model its loss terms on the pooled training and
+    validation images (`loss_terms`)."""
     device = torch.device("cpu")
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
@@ -707,6 +738,11 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data) -> dict:
         "val_thr": f1_at(val_labels, val_probs, threshold),
         "test_thr": f1_at(data.test_labels, test_probs, threshold),
     })
+    if getattr(model, "ladm", None) is not None:
+        train_images = np.concatenate([s.train_images for s in sites])
+        train_labels = np.concatenate([s.train_labels for s in sites])
+        scores.update({f"train_{k}": v for k, v in loss_terms(model, train_images, train_labels, cfg).items()})
+        scores.update({f"val_{k}": v for k, v in loss_terms(model, val_images, val_labels, cfg).items()})
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         pooled = recalibrated_batchnorm(model, np.concatenate([s.train_images for s in sites]))
         pooled_val = evaluate(pooled, val_images, val_labels, device=device)
@@ -949,7 +985,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
                         options.get("bench.epoch-split", 1))
-    return {**diagnose(model, sites, data), **trace}
+    return {**diagnose(model, sites, data, cfg), **trace}
 
 
 def trial_config(dataset: str, method: str, overrides: dict, args, seed: int) -> RunConfig:

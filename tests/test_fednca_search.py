@@ -15,6 +15,7 @@ from bench.fednca_search import (
     MimeLite,
     bench_options,
     epoch_part,
+    loss_terms,
     federated_average,
     hold_then_decay,
     momentum_step,
@@ -31,7 +32,10 @@ from fedskew import client_tasks
 from fedskew.client_tasks import OPTIMIZER_SITE_STATE
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset
+from fedskew.data.pixels import unit_float
 from fedskew.models import backbones
+from fedskew.models.build import build_model, server_etf
+from fedskew.models.fednca import fednca_loss
 
 
 def test_the_threshold_is_the_grid_point_with_the_best_validation_macro_f1():
@@ -329,3 +333,19 @@ def test_epoch_parts_cover_each_image_once_per_epoch_in_an_order_drawn_afresh_ea
             assert np.array_equal(split[r].train_labels.argmax(1), split[r].train_images.ravel())
     assert not np.array_equal(split[1].train_images, split[4].train_images)
     assert epoch_part(site, 5, 1, seed=0) is site
+
+
+def test_loss_terms_add_up_to_the_training_loss_and_cosines_are_cosines():
+    # One batch of 40 mosaics: the weighted terms are FedNCA-ML's loss itself (the same model in evaluation mode).
+    cfg = RunConfig.from_run_config({"method": "fednca", "dataset": "digits", "mosaic-grid": 2})
+    data = load_task_dataset(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, data.num_classes, data.image_shape, etf=server_etf(cfg, data.num_classes, data.image_shape))
+    images, labels = data.test_images[:40], data.test_labels[:40]
+    terms = loss_terms(model, images, labels, cfg)
+    x = unit_float(torch.from_numpy(images))
+    with torch.no_grad():
+        total = float(fednca_loss(model.eval(), x, torch.from_numpy(labels).float()))
+    weighted = terms["bce"] + cfg.fednca.rejection_weight * terms["rejection"] + cfg.fednca.contrastive_weight * terms["contrastive"]
+    assert weighted == pytest.approx(total, abs=1e-3)  # each term rounded to 1e-4
+    assert -1 <= terms["cos_absent"] <= 1 and -1 <= terms["cos_present"] <= 1
