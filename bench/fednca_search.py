@@ -696,7 +696,8 @@ def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
 def loss_terms(model: fednca_model.FedNCAModel, images: np.ndarray, labels: np.ndarray, cfg: RunConfig) -> dict:
     """FedNCA-ML's three loss terms (unweighted, per image) of the model in evaluation mode on (images, labels),
     and the mean cosine of each class feature f_bj to its own prototype w_j for present and for absent labels:
-    which term a model that stalls leaves high, and whether its class features tell present from absent."""
+    which term a model that stalls leaves high, and whether its class features tell present from absent. The
+    rejection term keeps the hardest negatives of each evaluation batch of 256 images, not of a training batch."""
     model.eval()
     totals = {"bce": 0.0, "rejection": 0.0, "contrastive": 0.0}
     cosines = {True: [], False: []}
@@ -738,13 +739,13 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data, cfg: RunConfig
         "val_thr": f1_at(val_labels, val_probs, threshold),
         "test_thr": f1_at(data.test_labels, test_probs, threshold),
     })
+    train_images = np.concatenate([s.train_images for s in sites])
     if getattr(model, "ladm", None) is not None:
-        train_images = np.concatenate([s.train_images for s in sites])
         train_labels = np.concatenate([s.train_labels for s in sites])
         scores.update({f"train_{k}": v for k, v in loss_terms(model, train_images, train_labels, cfg).items()})
         scores.update({f"val_{k}": v for k, v in loss_terms(model, val_images, val_labels, cfg).items()})
     if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        pooled = recalibrated_batchnorm(model, np.concatenate([s.train_images for s in sites]))
+        pooled = recalibrated_batchnorm(model, train_images)
         pooled_val = evaluate(pooled, val_images, val_labels, device=device)
         scores["val_bnpool"], scores["val_auc_bnpool"] = pooled_val["f1_macro"], pooled_val["auc_macro"]
         scores["test_bnpool"] = evaluate(pooled, data.test_images, data.test_labels, device=device)["f1_macro"]
