@@ -4,6 +4,7 @@
     python -m bench.fednca_search --out bench/results/fednca-search --report
     python -m bench.fednca_search --out OUT --trials default-fednca,default-centralized --seeds 0,1,2
     python -m bench.fednca_search --out OUT --table --seeds 0,1,2
+    python -m bench.fednca_search --out OUT --agreement-plot
 
 Every trial is one method with one set of run-config overrides on one dataset. It runs Flower's
 math in one process, with the very functions the ClientApp and ServerApp call: each round every
@@ -29,7 +30,9 @@ macro-F1 at the one threshold that is best on validation (and the test F1 at it)
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
 after every round, for federated methods the sites' own models' mean validation AUC before the
 last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation images
-with the class features' cosine to their own prototypes (`loss_terms`). Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
+with the class features' cosine to their own prototypes (`loss_terms`), and for federated methods how much of
+the sites' changes survives each round's average, per group of weights (`update_agreement`; `--agreement-plot`
+draws it by round into OUT/agreement.png). Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
 GroupNorm in the small CNN; `bench.server-momentum = beta`: FedAvgM's server momentum).
 """
 
@@ -331,6 +334,40 @@ def federated_average(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> di
     return {k: sum(w * update[k].double() for w, (update, _) in zip(weights, updates)) for k in keys}
 
 
+def parameter_group(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A trainable weight split into the groups `update_agreement` reports: the attention's packed input
+    projection into its query, key and value thirds, the attention's output projection, else the module the
+    weight belongs to (`backbone`, `classifier`, `head`)."""
+    if "attention.in_proj" in name:
+        return dict(zip(("attention.query", "attention.key", "attention.value"), tensor.chunk(3, dim=0)))
+    if "attention.out_proj" in name:
+        return {"attention.out": tensor}
+    return {name.split(".")[0]: tensor}
+
+
+def update_agreement(global_state: dict[str, torch.Tensor], updates: list[tuple[dict[str, torch.Tensor], dict]],
+                     parameter_names: Iterable[str]) -> dict[str, float]:
+    """Per group of trainable weights, how much of the sites' changes survives their average: the norm of the
+    example-weighted average change over the example-weighted mean of the changes' norms. 1 when every site moves
+    the group the same way; for n equally weighted sites whose changes are independent and of equal norm it is
+    about 1 / sqrt(n) (0.32 for 10), and 0 when they cancel exactly."""
+    weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
+    weights /= weights.sum()
+    parts: dict[str, list[list[torch.Tensor]]] = {}
+    for name in parameter_names:
+        for k, (update, _) in enumerate(updates):
+            delta = update[name].double() - global_state[name].double()
+            for group, part in parameter_group(name, delta).items():
+                parts.setdefault(group, [[] for _ in updates])[k].append(part.flatten())
+    agreement = {}
+    for group, site_parts in parts.items():
+        changes = [torch.cat(p) for p in site_parts]
+        mean_norm = sum(w * float(c.norm()) for w, c in zip(weights, changes))
+        average_norm = float(sum(w * c for w, c in zip(weights, changes)).norm())
+        agreement[group] = round(average_norm / mean_norm, 4) if mean_norm > 0 else float("nan")
+    return agreement
+
+
 class DictStore:
     """A site's between-rounds tensor store (the ClientApp keeps it in its node state)."""
 
@@ -530,7 +567,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) and the training loss after every round (the bound's over its
     epoch; the sites' over their local training, weighted by example count), and for federated methods the mean probe
-    of the sites' own models after their last local training, before averaging. `optimizer_reset_steps`
+    of the sites' own models after their last local training, before averaging, and each round's `update_agreement`
+    per group of weights. `optimizer_reset_steps`
     (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
     moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
     `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
@@ -584,6 +622,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 for k, site in enumerate(sites)
             ]
         averaged = federated_average(updates)
+        for group, value in update_agreement(state, updates, parameter_names).items():
+            trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
         if mime is not None:
             mime.update([metrics for _, metrics in updates])
         if average_optimizer_state:
@@ -1092,6 +1132,41 @@ def pick_by_budget(trials: list[tuple[str, str, list[dict | None]]]) -> dict[str
                      for method, scores in by_method.items()} for budget, by_method in best.items()}
 
 
+def agreement_plot(out: Path) -> Path:
+    """OUT/agreement.png: each group's `update_agreement` by round for every finished trial that recorded it,
+    against 1 / sqrt(NUM_SITES), its value for independent changes of equal norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for line in (out / "trials.jsonl").read_text().splitlines() if "update_agreement_by_round" in
+            (row := json.loads(line))]
+    if not rows:
+        raise SystemExit(f"no trial in {out / 'trials.jsonl'} recorded update_agreement_by_round (federated trials do)")
+    groups = list(rows[0]["update_agreement_by_round"])
+    figure, axes = plt.subplots(2, math.ceil(len(groups) / 2), figsize=(4 * math.ceil(len(groups) / 2), 6.5),
+                                sharex=True, sharey=True, squeeze=False)
+    for axis, group in zip(axes.flat, groups):
+        for row in rows:
+            values = row["update_agreement_by_round"].get(group, [])
+            axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']} (seed {row['seed']})")
+        axis.axhline(NUM_SITES ** -0.5, color="grey", linestyle="--", linewidth=1)
+        axis.set_title(group)
+        axis.set_ylim(0, 1)
+    for axis in axes[-1]:
+        axis.set_xlabel("round")
+    for axis in axes[:, 0]:
+        axis.set_ylabel("|mean change| / mean |change|")
+    axes.flat[0].legend(fontsize=7)
+    figure.suptitle(f"How much of the sites' changes survives the average (dashed: independent changes, 1/sqrt({NUM_SITES}))")
+    figure.tight_layout()
+    path = out / "agreement.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -1103,9 +1178,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (the search itself uses seed 0)")
     parser.add_argument("--report", action="store_true", help="only write OUT/search.md from the finished trials")
     parser.add_argument("--table", action="store_true", help="only write OUT/table.md (the default-* trials over --seeds)")
+    parser.add_argument("--agreement-plot", action="store_true",
+                        help="only write OUT/agreement.png from the finished federated trials' update agreement by round")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(seed) for seed in args.seeds.split(",")]
+    if args.agreement_plot:
+        print(agreement_plot(args.out))
+        return
     if args.report or args.table:
         print(report(args.out) if args.report else table(args.out, seeds))
         return

@@ -13,6 +13,7 @@ from bench.fednca_search import (
     BlockAdamW,
     FirstMomentBiasRestart,
     MimeLite,
+    agreement_plot,
     bench_options,
     epoch_part,
     loss_terms,
@@ -26,6 +27,7 @@ from bench.fednca_search import (
     recalibrated_batchnorm,
     validation_threshold,
     warm_start_adam,
+    update_agreement,
     warmup_then_cosine,
 )
 from fedskew import client_tasks
@@ -350,3 +352,37 @@ def test_loss_terms_add_up_to_the_training_loss_and_cosines_are_cosines():
     # Each term is rounded to 1e-4: at most 0.5e-4 x (1 + 0.01 + 1) apart, plus float32 summation.
     assert weighted == pytest.approx(total, abs=2e-4)
     assert -1 <= terms["cos_absent"] <= 1 and -1 <= terms["cos_present"] <= 1
+
+
+def test_update_agreement_is_one_for_equal_changes_zero_for_opposite_and_splits_the_attention_projection():
+    dim = 2
+    global_state = {"backbone.w": torch.zeros(2), "ladm.attention.in_proj_weight": torch.zeros(3 * dim, dim)}
+    in_proj = torch.zeros(3 * dim, dim)
+    in_proj[:dim] = 1.0  # query third: the same change at both sites
+    in_proj[dim:2 * dim, 0] = 1.0  # key third: orthogonal changes of equal norm
+    other_in_proj = in_proj.clone()
+    other_in_proj[dim:2 * dim] = 0.0
+    other_in_proj[dim:2 * dim, 1] = 1.0
+    other_in_proj[2 * dim:] = -2.0  # value third: changes only here at site 2, so one site's change of 0 against 4
+    site_one = ({"backbone.w": torch.tensor([1.0, 0.0]), "ladm.attention.in_proj_weight": in_proj}, {"num-examples": 1})
+    site_two = ({"backbone.w": torch.tensor([-1.0, 0.0]), "ladm.attention.in_proj_weight": other_in_proj},
+                {"num-examples": 1})
+    agreement = update_agreement(global_state, [site_one, site_two], ["backbone.w", "ladm.attention.in_proj_weight"])
+    assert agreement["backbone"] == 0.0  # opposite changes cancel
+    assert agreement["attention.query"] == 1.0
+    assert agreement["attention.key"] == pytest.approx(2 ** -0.5, abs=1e-4)  # |a + b| / (|a| + |b|), a ⊥ b
+    assert agreement["attention.value"] == 1.0  # a single site moving: its half survives, over half its norm
+    site_two[1]["num-examples"] = 3  # example weights 1/4, 3/4 on opposite changes: |1/4 - 3/4| / 1
+    assert update_agreement(global_state, [site_one, site_two], ["backbone.w"])["backbone"] == 0.5
+
+
+def test_the_agreement_plot_draws_every_federated_trial_and_refuses_a_log_without_one(tmp_path):
+    rows = [{"trial": "default-fednca", "dataset": "digits-mosaic", "seed": 0,
+             "update_agreement_by_round": {"backbone": [0.5, 0.4], "classifier": [0.9, 1.0]}},
+            {"trial": "default-centralized", "dataset": "digits-mosaic", "seed": 0}]
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = agreement_plot(tmp_path)
+    assert path == tmp_path / "agreement.png" and path.read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "trials.jsonl").write_text(json.dumps(rows[1]) + "\n")
+    with pytest.raises(SystemExit, match="recorded update_agreement_by_round"):
+        agreement_plot(tmp_path)
