@@ -326,10 +326,15 @@ def subsample(site: SiteData, fraction: float, seed: int) -> SiteData:
     return dataclasses.replace(site, train_images=site.train_images[rows], train_labels=site.train_labels[rows])
 
 
+def example_weights(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> np.ndarray:
+    """Each site's share of the round's training examples, the weight Flower's FedAvg gives its update."""
+    weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
+    return weights / weights.sum()
+
+
 def federated_average(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> dict[str, torch.Tensor]:
     """Every array averaged with weights num-examples / total, in float64 (Flower's aggregate_arrayrecords)."""
-    weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
-    weights /= weights.sum()
+    weights = example_weights(updates)
     keys = updates[0][0]
     return {k: sum(w * update[k].double() for w, (update, _) in zip(weights, updates)) for k in keys}
 
@@ -351,8 +356,7 @@ def update_agreement(global_state: dict[str, torch.Tensor], updates: list[tuple[
     example-weighted average change over the example-weighted mean of the changes' norms. 1 when every site moves
     the group the same way; for n equally weighted sites whose changes are independent and of equal norm it is
     about 1 / sqrt(n) (0.32 for 10), and 0 when they cancel exactly."""
-    weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
-    weights /= weights.sum()
+    weights = example_weights(updates)
     parts: dict[str, list[list[torch.Tensor]]] = {}
     for name in parameter_names:
         for k, (update, _) in enumerate(updates):
