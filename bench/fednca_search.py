@@ -277,6 +277,30 @@ TRIALS = [
     # make the initial attention 8 times sharper, so the classes attend to different tokens from the start.
     *[(f"{method}-e1-r60-q8", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.query-scale": 8.0})
       for method in ("fednca", "centralized")],
+    # The regularisers' strength, both sides alike: the federation's contrastive term sits at its chance value
+    # after 60 rounds, so does a heavier or a softer pull of each class feature towards its prototype (weight
+    # 3 and 10; temperature 0.2 against 0.07) let the class-specific attention form within the rounds? And a
+    # rejection term ten times heavier, which pushes absent labels' features away from the other prototypes.
+    *[(f"{method}-e1-r60-{name}", method, {"num-server-rounds": 60, "local-epochs": 1, **setting})
+      for name, setting in (("contrastive3", {"fednca.contrastive-weight": 3.0}),
+                            ("contrastive10", {"fednca.contrastive-weight": 10.0}),
+                            ("tau0.2", {"fednca.tau": 0.2}),
+                            ("rejection0.1", {"fednca.rejection-weight": 0.1}),
+                            # A heavier contrastive term turns every class feature to its own prototype whether
+                            # the label is present or not; rejecting absent labels' features from all K
+                            # prototypes, their own included, at weight 1 is the counter-pull to that.
+                            ("reject-all1", {"fednca.rejection-scope": "all", "fednca.rejection-weight": 1.0}),
+                            ("contrastive3-reject-all1", {"fednca.contrastive-weight": 3.0,
+                                                          "fednca.rejection-scope": "all",
+                                                          "fednca.rejection-weight": 1.0}),
+                            # The LADM's heads (4 of 16 dimensions by default): one head of all 64 dimensions
+                            # forms one attention map per class; 16 heads of 4 dimensions form sixteen rough ones.
+                            ("heads1", {"fednca.heads": 1}),
+                            ("heads16", {"fednca.heads": 16}),
+                            # Queries learnt from the prototypes (the config's ablation): the classes can move
+                            # their queries towards their own tokens instead of waiting for the keys to do it.
+                            ("learnable-queries", {"fednca.learnable-queries": True}))
+      for method in ("fednca", "centralized")],
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
