@@ -301,6 +301,12 @@ TRIALS = [
                             # their queries towards their own tokens instead of waiting for the keys to do it.
                             ("learnable-queries", {"fednca.learnable-queries": True}))
       for method in ("fednca", "centralized")],
+    # Is the federated code path itself sound? One site holding all the images, trained through it, against the
+    # bound whose AdamW restarts every epoch (57 steps on shapes-multi 32 px's 1,802 training images): the
+    # two are the same optimisation, so they must end alike; if the one site ends far below, the gap has a bug.
+    ("fednca-e1-r60-pooled-site", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.pooled-site": True}),
+    ("centralized-e1-r60-adam-reset57", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                        "bench.optimizer-reset-steps": 57}),
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
@@ -348,6 +354,15 @@ def subsample(site: SiteData, fraction: float, seed: int) -> SiteData:
     keep = max(min(len(site.train_labels), 32), round(fraction * len(site.train_labels)))
     rows = np.sort(np.random.default_rng(seed * 7919 + site.site_id).permutation(len(site.train_labels))[:keep])
     return dataclasses.replace(site, train_images=site.train_images[rows], train_labels=site.train_labels[rows])
+
+
+def pooled_site(sites: list[SiteData]) -> SiteData:
+    """One site holding every site's training and validation images: a federation of it is the centralised
+    bound whose AdamW restarts every epoch, trained through the federated code path (`bench.pooled-site`)."""
+    return dataclasses.replace(
+        sites[0], site_id=0, num_sites=1,
+        **{field: np.concatenate([getattr(s, field) for s in sites])
+           for field in ("train_images", "train_labels", "val_images", "val_labels")})
 
 
 def example_weights(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> np.ndarray:
@@ -965,13 +980,15 @@ def bench_options(options: dict):
     FedNCA-ML site's loss; `bench.shared-state-from-round` (with `bench.average-optimizer-state`) restarts the
     sites' AdamW every round before that round, so the shared state only starts once the model has left its
     first plateau; `bench.epoch-split = k` trains each site on a k-th of an epoch per round (`epoch_part`), so
-    k rounds are one local epoch: k times as many averages for the same passes."""
+    k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-site` runs the
+    federated code path with one site that holds every site's images (`pooled_site`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
-             "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split"}
+             "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
+             "bench.pooled-site"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1034,6 +1051,8 @@ def bench_options(options: dict):
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
+    if options.get("bench.pooled-site"):
+        sites = [pooled_site(sites)]
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
