@@ -304,7 +304,10 @@ TRIALS = [
     # Is the federated code path itself sound? One site holding all the images, trained through it, against the
     # bound whose AdamW restarts every epoch (57 steps on shapes-multi 32 px's 1,802 training images): the
     # two are the same optimisation, so they must end alike; if the one site ends far below, the gap has a bug.
-    ("fednca-e1-r60-pooled-site", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.pooled-site": True}),
+    ("fednca-e1-r60-pooled-site", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.pooled-sites": 1}),
+    # Between that one site and the run's ten: two sites of five and five of two (28-29 and 11-12 steps a round).
+    *[(f"fednca-e1-r60-pooled-sites{n}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.pooled-sites": n})
+      for n in (2, 5)],
     ("centralized-e1-r60-adam-reset57", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
                                                         "bench.optimizer-reset-steps": 57}),
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
@@ -356,13 +359,14 @@ def subsample(site: SiteData, fraction: float, seed: int) -> SiteData:
     return dataclasses.replace(site, train_images=site.train_images[rows], train_labels=site.train_labels[rows])
 
 
-def pooled_site(sites: list[SiteData]) -> SiteData:
-    """One site holding every site's training and validation images: a federation of it is the centralised
-    bound whose AdamW restarts every epoch, trained through the federated code path (`bench.pooled-site`)."""
-    return dataclasses.replace(
-        sites[0], site_id=0, num_sites=1,
-        **{field: np.concatenate([getattr(s, field) for s in sites])
-           for field in ("train_images", "train_labels", "val_images", "val_labels")})
+def pooled_sites(sites: list[SiteData], groups: int) -> list[SiteData]:
+    """`groups` sites, the g-th holding the training and validation images of sites g, g + groups, ...: with one
+    group a federation of it is the centralised bound whose AdamW restarts every epoch, trained through the
+    federated code path; with more, fewer and larger sites than the run's (`bench.pooled-sites`)."""
+    return [dataclasses.replace(
+        sites[g], site_id=g, num_sites=groups,
+        **{field: np.concatenate([getattr(s, field) for s in sites[g::groups]])
+           for field in ("train_images", "train_labels", "val_images", "val_labels")}) for g in range(groups)]
 
 
 def example_weights(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> np.ndarray:
@@ -980,15 +984,15 @@ def bench_options(options: dict):
     FedNCA-ML site's loss; `bench.shared-state-from-round` (with `bench.average-optimizer-state`) restarts the
     sites' AdamW every round before that round, so the shared state only starts once the model has left its
     first plateau; `bench.epoch-split = k` trains each site on a k-th of an epoch per round (`epoch_part`), so
-    k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-site` runs the
-    federated code path with one site that holds every site's images (`pooled_site`)."""
+    k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-sites = n` runs the
+    federated code path with n sites that each hold every n-th site's images (`pooled_sites`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
              "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
-             "bench.pooled-site"}
+             "bench.pooled-sites"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1051,8 +1055,8 @@ def bench_options(options: dict):
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
-    if options.get("bench.pooled-site"):
-        sites = [pooled_site(sites)]
+    if options.get("bench.pooled-sites"):
+        sites = pooled_sites(sites, options["bench.pooled-sites"])
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None

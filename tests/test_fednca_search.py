@@ -22,7 +22,7 @@ from bench.fednca_search import (
     momentum_step,
     optimizer_restarts,
     pick_by_budget,
-    pooled_site,
+    pooled_sites,
     table,
     train_trial,
     recalibrated_batchnorm,
@@ -338,23 +338,25 @@ def test_epoch_parts_cover_each_image_once_per_epoch_in_an_order_drawn_afresh_ea
     assert epoch_part(site, 5, 1, seed=0) is site
 
 
-def test_the_pooled_site_holds_every_sites_images_paired_with_their_labels_once():
-    # Three sites whose pixel values are their images' global indices and whose labels one-hot encode them.
+def test_pooled_sites_hold_every_nth_sites_images_paired_with_their_labels_once():
+    # Four sites whose pixel values are their images' global indices and whose labels one-hot encode them.
     def site(k: int, sizes: tuple[int, int]) -> SiteData:
         start = 10 * k
         train, val = np.arange(start, start + sizes[0]), np.arange(start + 5, start + 5 + sizes[1])
         one_hot = np.eye(40, dtype=np.float32)
-        return SiteData(site_id=k, num_sites=3, train_images=train.astype(np.uint8).reshape(-1, 1, 1, 1),
+        return SiteData(site_id=k, num_sites=4, train_images=train.astype(np.uint8).reshape(-1, 1, 1, 1),
                         train_labels=one_hot[train], val_images=val.astype(np.uint8).reshape(-1, 1, 1, 1),
                         val_labels=one_hot[val], num_classes=40, class_names=tuple(map(str, range(40))))
-    sites = [site(0, (3, 1)), site(1, (5, 2)), site(2, (1, 3))]
-    pooled = pooled_site(sites)
-    assert (pooled.site_id, pooled.num_sites, pooled.num_classes) == (0, 1, 40)
-    for images, labels in (("train_images", "train_labels"), ("val_images", "val_labels")):
-        expected = np.concatenate([getattr(s, images).ravel() for s in sites])
-        assert np.array_equal(getattr(pooled, images).ravel(), expected)
-        assert np.array_equal(getattr(pooled, labels).argmax(1), expected)
-    assert len(pooled.train_labels) == 9 and len(pooled.val_labels) == 6
+    sites = [site(0, (3, 1)), site(1, (5, 2)), site(2, (1, 3)), site(3, (2, 2))]
+    for groups, members in ((1, [[0, 1, 2, 3]]), (2, [[0, 2], [1, 3]])):
+        pooled = pooled_sites(sites, groups)
+        assert [(p.site_id, p.num_sites, p.num_classes) for p in pooled] == [(g, groups, 40) for g in range(groups)]
+        for site_pool, member in zip(pooled, members):
+            for images, labels in (("train_images", "train_labels"), ("val_images", "val_labels")):
+                expected = np.concatenate([getattr(sites[k], images).ravel() for k in member])
+                assert np.array_equal(getattr(site_pool, images).ravel(), expected)
+                assert np.array_equal(getattr(site_pool, labels).argmax(1), expected)
+        assert sum(len(p.train_labels) for p in pooled) == 11 and sum(len(p.val_labels) for p in pooled) == 8
 
 
 def test_loss_terms_add_up_to_the_training_loss_and_cosines_are_cosines():
