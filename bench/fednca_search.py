@@ -1007,6 +1007,10 @@ def bench_options(options: dict):
     if options.get("bench.mime-lite") and options.get("bench.moment-warm-start"):
         raise ValueError("bench.mime-lite sets every local step's AdamW moments from the server's; it does not combine "
                          "with bench.moment-warm-start")
+    pooled = options.get("bench.pooled-sites", 1)
+    if isinstance(pooled, bool) or not isinstance(pooled, int) or not 1 <= pooled <= NUM_SITES:
+        raise ValueError(f"bench.pooled-sites is the number of sites the {NUM_SITES} sites' images are pooled into, "
+                         f"an int from 1 to {NUM_SITES}; got {pooled!r}")
     if "bench.decay-share" in options and options.get("bench.cosine-decay"):
         raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
                          "warm-up; give one of them")
@@ -1055,7 +1059,7 @@ def bench_options(options: dict):
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
-    if options.get("bench.pooled-sites"):
+    if "bench.pooled-sites" in options:
         sites = pooled_sites(sites, options["bench.pooled-sites"])
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)

@@ -357,6 +357,10 @@ def test_pooled_sites_hold_every_nth_sites_images_paired_with_their_labels_once(
                 assert np.array_equal(getattr(site_pool, images).ravel(), expected)
                 assert np.array_equal(getattr(site_pool, labels).argmax(1), expected)
         assert sum(len(p.train_labels) for p in pooled) == 11 and sum(len(p.val_labels) for p in pooled) == 8
+    for bad in (0, 11, 2.5, True):
+        with pytest.raises(ValueError, match="bench.pooled-sites .* an int from 1 to 10"):
+            with bench_options({"bench.pooled-sites": bad}):
+                pass
 
 
 def test_loss_terms_add_up_to_the_training_loss_and_cosines_are_cosines():
