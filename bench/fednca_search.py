@@ -145,6 +145,15 @@ TRIALS = [
     ("fednca-e1-r60-no-ladm", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fednca.ladm": False}),
     ("fednca-e1-r60-6000-images", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.train-images": 6000}),
     ("centralized-e1-r60-6000-images", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.train-images": 6000}),
+    # Its control: the bound on the same images with AdamW restarted as often as those sites restart (525-559
+    # images a site at batch 32: 17-18 steps a round).
+    ("centralized-e1-r60-6000-images-adam-reset17", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                                   "bench.train-images": 6000,
+                                                                   "bench.optimizer-reset-steps": 17}),
+    # The same three times the images with every label at every site: is what the federation loses there the
+    # label skew (the sites' 17-18 steps a round drifting towards their own labels) or the averaging itself?
+    ("fednca-e1-r60-6000-images-iid", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.train-images": 6000,
+                                                  "partition": "iid"}),
     ("fednca-e1-r60-width16", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 16}),
     ("centralized-e1-r60-width16", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 16}),
     ("fednca-e1-r60-width48", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.width": 48}),
@@ -308,8 +317,21 @@ TRIALS = [
     # Between that one site and the run's ten: two sites of five and five of two (28-29 and 11-12 steps a round).
     *[(f"fednca-e1-r60-pooled-sites{n}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.pooled-sites": n})
       for n in (2, 5)],
-    ("centralized-e1-r60-adam-reset57", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
-                                                        "bench.optimizer-reset-steps": 57}),
+    # Their controls: the bound restarted as often as one, two and five pooled sites restart (57, 28 and 11 steps),
+    # so each pooled row is read against the restart it has and the averaging is the only difference left.
+    *[(f"centralized-e1-r60-adam-reset{steps}", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                               "bench.optimizer-reset-steps": steps})
+      for steps in (57, 28, 11)],
+    # A head start: the bound's first 6, 12 or 30 epochs (seed 0: validation AUC 0.58, 0.62 and 0.80 after them)
+    # then the federation, or the bound itself again (one AdamW restart at the hand-over), for the rest of the
+    # 60. If the federation keeps the bound's pace from there, its gap is made at the start; if not, later too.
+    *[(f"{method}-e1-r60-from-bound{epochs}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                       "bench.start-from-bound-epoch": epochs})
+      for epochs in (6, 12, 30) for method in ("fednca", "centralized")],
+    # The same head start without pooling any image: 12 passes of cyclic weight transfer, the model and one AdamW
+    # handed from site to site (the sites' skewed labels one site at a time), then the federation.
+    *[(f"fednca-e1-r60-cyclic{epochs}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cyclic-start": epochs})
+      for epochs in (6, 12)],
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
@@ -367,6 +389,22 @@ def pooled_sites(sites: list[SiteData], groups: int) -> list[SiteData]:
         sites[g], site_id=g, num_sites=groups,
         **{field: np.concatenate([getattr(s, field) for s in sites[g::groups]])
            for field in ("train_images", "train_labels", "val_images", "val_labels")}) for g in range(groups)]
+
+
+class SiteCycle:
+    """The batches of one site after another, each site's own shuffled afresh every pass: cyclic weight transfer
+    (Chang et al. 2018, JAMIA 25(8)), one model and one AdamW handed from site to site, as a loader; no image
+    leaves its site, the model and the optimiser's moments travel."""
+
+    def __init__(self, loaders: list):
+        self.loaders = loaders
+        self.dataset = torch.utils.data.ConcatDataset([loader.dataset for loader in loaders])
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.loaders)
+
+    def __len__(self) -> int:
+        return sum(len(loader) for loader in self.loaders)
 
 
 def example_weights(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> np.ndarray:
@@ -610,7 +648,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 average_optimizer_state: str = "", first_moment_reset: bool = False,
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
                 first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
-                proximal_mu: float = 0.0, shared_state_from_round: int = 1, epoch_split: int = 1) -> dict:
+                proximal_mu: float = 0.0, shared_state_from_round: int = 1, epoch_split: int = 1,
+                rounds: range | None = None, cyclic: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (validation macro-AUC) and the training loss after every round (the bound's over its
     epoch; the sites' over their local training, weighted by example count), and for federated methods the mean probe
@@ -626,14 +665,21 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     AdamW moments (`MimeLite`), with AdamW's betas raised to the power of a round's local steps where
     `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's);
     `proximal_mu` gives a FedNCA-ML site FedProx's proximal term (FedProx itself takes the run's `proximal-mu`);
-    `epoch_split` > 1 gives a site one of that many parts of an epoch each round (`epoch_part`)."""
+    `epoch_split` > 1 gives a site one of that many parts of an epoch each round (`epoch_part`); `rounds` (all
+    of the run's by default) trains only those rounds (epochs of the bound), the schedule where the run has it
+    at the first of them, from `model` as it is (`bench.start-from-bound-epoch`); `cyclic` (centralised only)
+    visits the sites' images one site after another instead of shuffled together (`SiteCycle`)."""
     device = torch.device("cpu")
+    rounds = rounds or range(1, cfg.num_server_rounds + 1)
     trace = {"val_auc_by_round": [], "train_loss_by_round": []}
     if cfg.method == "centralized":
         images = np.concatenate([s.train_images for s in sites])
         labels = np.concatenate([s.train_labels for s in sites])
-        loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
-        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
+        loader = (SiteCycle([make_loader(s.train_images, s.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + k)
+                             for k, s in enumerate(sites)])
+                  if cyclic else make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed))
+        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader),
+                                                           server_round=rounds.start, augment_seed=cfg.seed)
         # A warm start reads the next batches of a second pass over the pooled data, as a site reads its round's.
         batches = (batch for _ in itertools.count() for batch in loader)
         refill = (functools.partial(warm_start_adam, optimizer, model, batches, loss_fn, device, optimizer_reset_steps)
@@ -642,7 +688,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
             refill = FirstMomentBiasRestart(optimizer).restart
         before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset, refill)
                        if optimizer_reset_steps else None)
-        for _ in range(cfg.num_server_rounds):
+        for _ in rounds:
             stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                                 loss_fn=loss_fn, device=device, before_step=before_step)
             trace["val_auc_by_round"].append(probe(model))
@@ -659,7 +705,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         steps = round(cfg.local_epochs * float(np.mean([math.ceil(len(s.train_labels) / cfg.batch_size) for s in sites])))
         betas = (betas[0] ** steps, betas[1] ** steps)
     mime = MimeLite(mime_lite, betas) if mime_lite else None
-    for server_round in range(1, cfg.num_server_rounds + 1):
+    for server_round in rounds:
         with contextlib.ExitStack() as patches:
             if mime is not None:
                 patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
@@ -985,14 +1031,17 @@ def bench_options(options: dict):
     sites' AdamW every round before that round, so the shared state only starts once the model has left its
     first plateau; `bench.epoch-split = k` trains each site on a k-th of an epoch per round (`epoch_part`), so
     k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-sites = n` runs the
-    federated code path with n sites that each hold every n-th site's images (`pooled_sites`)."""
+    federated code path with n sites that each hold every n-th site's images (`pooled_sites`);
+    `bench.start-from-bound-epoch = k` trains the bound's first k epochs and hands its model to the trial's method
+    for the run's remaining rounds, its schedule going on from there (`run_trial`); `bench.cyclic-start = k` does the
+    same with k passes of cyclic weight transfer over the sites (`SiteCycle`) instead of the bound's epochs."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
              "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
-             "bench.pooled-sites"}
+             "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1058,6 +1107,14 @@ def bench_options(options: dict):
 
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
+    if "bench.start-from-bound-epoch" in options and "bench.cyclic-start" in options:
+        raise ValueError("bench.start-from-bound-epoch and bench.cyclic-start both give the run a head start; give one")
+    cyclic = "bench.cyclic-start" in options
+    key = "bench.cyclic-start" if cyclic else "bench.start-from-bound-epoch"
+    start = options.get(key, 0)
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < cfg.num_server_rounds:
+        raise ValueError(f"{key} is how many of the run's {cfg.num_server_rounds} epochs a head start takes before the "
+                         f"method takes over, an int from 1 to {cfg.num_server_rounds - 1}; got {start!r}")
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
     if "bench.pooled-sites" in options:
         sites = pooled_sites(sites, options["bench.pooled-sites"])
@@ -1073,6 +1130,11 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
             raise FloatingPointError("the global weights are no longer finite")
         return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
 
+    # A head start: the bound's first epochs (or as many passes of cyclic weight transfer), whose model the method
+    # then trains for the rest of the run, so each side's share of the gap before and after that point can be told apart.
+    head = (train_trial(cfg.model_copy(update={"method": "centralized"}), sites, model, etf, probe,
+                        rounds=range(1, start + 1), cyclic=cyclic)
+            if start else {"val_auc_by_round": [], "train_loss_by_round": []})
     trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
                         options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
@@ -1080,7 +1142,9 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
-                        options.get("bench.epoch-split", 1))
+                        options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1))
+    for key in ("val_auc_by_round", "train_loss_by_round"):
+        trace[key] = head[key] + trace[key]
     return {**diagnose(model, sites, data, cfg), **trace}
 
 
@@ -1222,6 +1286,35 @@ def agreement_plot(out: Path) -> Path:
     return path
 
 
+def curves_plot(out: Path, trials: list[str], seeds: list[int]) -> Path:
+    """OUT/curves.png: the validation macro-AUC after every round (the bound's: epoch) of the named finished trials
+    for `seeds`, one panel per seed, so where a trial leaves its first plateau can be seen beside another's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for line in (out / "trials.jsonl").read_text().splitlines()
+            if (row := json.loads(line))["trial"] in trials and row.get("seed", 0) in seeds and "val_auc_by_round" in row]
+    missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], row.get("seed", 0)) for row in rows})
+    if missing:
+        raise SystemExit(f"{out / 'trials.jsonl'} has no finished (trial, seed) {missing}; run them first")
+    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4.2), sharey=True, squeeze=False)
+    for axis, seed in zip(axes[0], seeds):
+        for row in (row for row in rows if row.get("seed", 0) == seed):
+            values = row["val_auc_by_round"]
+            axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']}")
+        axis.set_title(f"seed {seed}")
+        axis.set_xlabel("round (the bound: epoch)")
+    axes[0][0].set_ylabel("validation macro-AUC")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    path = out / "curves.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -1235,17 +1328,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true", help="only write OUT/table.md (the default-* trials over --seeds)")
     parser.add_argument("--agreement-plot", action="store_true",
                         help="only write OUT/agreement.png from the finished federated trials' update agreement by round")
+    parser.add_argument("--curves-plot", action="store_true",
+                        help="only write OUT/curves.png: the --trials' validation AUC by round over --seeds")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(seed) for seed in args.seeds.split(",")]
     if args.agreement_plot:
         print(agreement_plot(args.out))
         return
+    if args.curves_plot:
+        print(curves_plot(args.out, args.trials.split(","), seeds))
+        return
     if args.report or args.table:
         print(report(args.out) if args.report else table(args.out, seeds))
         return
     torch.set_num_threads(1)
     wanted = set(args.trials.split(",")) if args.trials else None
+    unknown = sorted((wanted or set()) - {name for name, _, _ in TRIALS} - set(TABLE_TRIALS))
+    if unknown:
+        raise SystemExit(f"--trials names no trial called {', '.join(unknown)}; the trials are TRIALS and TABLE_TRIALS "
+                         "in bench/fednca_search.py")
     log = args.out / "trials.jsonl"
     for seed in seeds:
         for dataset in args.dataset or list(DATASETS):

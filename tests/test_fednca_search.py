@@ -4,6 +4,7 @@ the federated average and the GroupNorm ablation."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from bench.fednca_search import (
     FirstMomentBiasRestart,
     MimeLite,
     agreement_plot,
+    curves_plot,
     bench_options,
     epoch_part,
     loss_terms,
@@ -26,6 +28,8 @@ from bench.fednca_search import (
     table,
     train_trial,
     recalibrated_batchnorm,
+    run_trial,
+    SiteCycle,
     validation_threshold,
     warm_start_adam,
     update_agreement,
@@ -39,6 +43,7 @@ from fedskew.data.pixels import unit_float
 from fedskew.models import backbones
 from fedskew.models.build import build_model, server_etf
 from fedskew.models.fednca import fednca_loss
+from fedskew.training import make_loader
 
 
 def test_the_threshold_is_the_grid_point_with_the_best_validation_macro_f1():
@@ -412,3 +417,85 @@ def test_the_agreement_plot_draws_every_federated_trial_and_refuses_a_log_withou
     (tmp_path / "trials.jsonl").write_text(json.dumps(rows[1]) + "\n")
     with pytest.raises(SystemExit, match="recorded update_agreement_by_round"):
         agreement_plot(tmp_path)
+
+
+def test_a_head_start_trains_only_the_later_rounds_with_the_schedule_where_the_run_has_it(monkeypatch):
+    # The bound's epochs 1-2 are the head start; rounds 3-5 follow. The sites are asked for rounds 3-5 only, and the
+    # bound continued from epoch 3 starts at the schedule's step 2 x (steps an epoch), not at its warm-up's first.
+    cfg = RunConfig.from_run_config({"method": "fednca", "num-server-rounds": 5, "local-epochs": 1,
+                                     "fednca.warmup-epochs": 1})
+    asked = []
+
+    def fake_train_site(cfg, site, state, *, server_round, **rest):
+        asked.append(server_round)
+        return dict(state), {"num-examples": 1, "train_loss": 0.0}
+
+    monkeypatch.setattr("bench.fednca_search.train_site", fake_train_site)
+    trace = train_trial(cfg, [0, 1], torch.nn.Linear(1, 1), None, lambda m: 0.5, rounds=range(3, 6))
+    assert asked == [3, 3, 4, 4, 5, 5] and len(trace["val_auc_by_round"]) == 3
+
+    first_lrs = []
+
+    def fake_train_local(model, loader, *, optimizer, **rest):
+        first_lrs.append(optimizer.param_groups[0]["lr"])
+        return {"train_loss": 0.0}
+
+    monkeypatch.setattr("bench.fednca_search.train_local", fake_train_local)
+    bound = cfg.model_copy(update={"method": "centralized"})
+    site = SiteData(site_id=0, num_sites=1, num_classes=2, train_images=np.zeros((64, 1, 4, 4), np.uint8),
+                    train_labels=np.zeros((64, 2), np.float32), val_images=np.zeros((0, 1, 4, 4), np.uint8),
+                    val_labels=np.zeros((0, 2), np.float32), class_names=("a", "b"))
+    train_trial(bound, [site], torch.nn.Linear(1, 1), None, lambda m: 0.5, rounds=range(3, 6))
+    # 64 images at batch 32: 2 steps an epoch, 10 in the run, warm-up 2; step 4 is at (10 - 4) / (10 - 2) of the peak.
+    assert first_lrs[0] == pytest.approx(cfg.fednca.lr * 6 / 8) and len(first_lrs) == 3
+
+
+@pytest.mark.parametrize("epochs", [60, -1, 2.5, True])
+def test_a_head_start_outside_the_run_is_refused_before_any_data_is_drawn(epochs):
+    cfg = RunConfig.from_run_config({"method": "fednca", "num-server-rounds": 60})
+    with pytest.raises(ValueError, match=r"bench.start-from-bound-epoch is how many .* an int from 1 to 59; got"):
+        run_trial(cfg, 1.0, {"bench.start-from-bound-epoch": epochs})
+
+
+def test_cyclic_weight_transfer_visits_each_site_whole_in_turn_reshuffled_every_pass():
+    # Site k's images hold the value 10 k + i: a pass yields all of site 0's, then all of site 1's, each once.
+    sizes = (5, 3)
+    loaders = [make_loader(np.array([10 * k + i for i in range(n)], np.uint8).reshape(n, 1, 1, 1),
+                           np.zeros((n, 2), np.float32), batch_size=2, shuffle=True, seed=k) for k, n in enumerate(sizes)]
+    cycle = SiteCycle(loaders)
+    assert len(cycle) == 3 + 2 and len(cycle.dataset) == 8
+    passes = [[round(float(v) * 255) for x, _ in cycle for v in x.flatten()] for _ in range(4)]
+    for seen in passes:
+        assert sorted(seen[:5]) == [0, 1, 2, 3, 4] and sorted(seen[5:]) == [10, 11, 12]
+    assert len({tuple(seen[:5]) for seen in passes}) > 1  # a fresh order each pass, not one fixed order
+
+
+def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one(tmp_path):
+    rows = [{"trial": name, "dataset": "shapes-multi-32", "seed": seed, "val_auc_by_round": [0.5, 0.6, 0.7]}
+            for name in ("default-fednca", "default-centralized") for seed in (0, 1)]
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path = curves_plot(tmp_path, ["default-fednca", "default-centralized"], [0, 1])
+    assert path == tmp_path / "curves.png" and path.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit, match=r"\('default-fednca', 2\)"):
+        curves_plot(tmp_path, ["default-fednca"], [0, 2])
+
+
+def test_a_misspelled_trial_is_named_instead_of_running_nothing(tmp_path):
+    from bench.fednca_search import main
+
+    with pytest.raises(SystemExit, match="no trial called fednca-e1-r60-from-bound13"):
+        main(["--out", str(tmp_path), "--trials", "default-fednca,fednca-e1-r60-from-bound13"])
+
+
+def test_every_trial_the_docs_name_exists():
+    # The docs' commands only parse their arguments in tests/test_docs.py; a renamed trial would run nothing.
+    from pathlib import Path
+
+    from bench.fednca_search import TABLE_TRIALS, TRIALS
+
+    known = {name for name, _, _ in TRIALS} | set(TABLE_TRIALS)
+    root = Path(__file__).resolve().parents[1]
+    named = [(page.name, trial) for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for trials in re.findall(r"bench\.fednca_search[^\n]*?--trials ([\w.,-]+)", page.read_text())
+             for trial in trials.split(",")]
+    assert named and [(page, trial) for page, trial in named if trial not in known] == []
