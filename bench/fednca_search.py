@@ -673,11 +673,12 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     rounds = rounds or range(1, cfg.num_server_rounds + 1)
     trace = {"val_auc_by_round": [], "train_loss_by_round": []}
     if cfg.method == "centralized":
-        images = np.concatenate([s.train_images for s in sites])
-        labels = np.concatenate([s.train_labels for s in sites])
-        loader = (SiteCycle([make_loader(s.train_images, s.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + k)
-                             for k, s in enumerate(sites)])
-                  if cyclic else make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed))
+        if cyclic:
+            loader = SiteCycle([make_loader(s.train_images, s.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + k)
+                                for k, s in enumerate(sites)])
+        else:
+            loader = make_loader(np.concatenate([s.train_images for s in sites]),
+                                 np.concatenate([s.train_labels for s in sites]), cfg.batch_size, shuffle=True, seed=cfg.seed)
         optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader),
                                                            server_round=rounds.start, augment_seed=cfg.seed)
         # A warm start reads the next batches of a second pass over the pooled data, as a site reads its round's.
@@ -1143,8 +1144,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
                         options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1))
-    for key in ("val_auc_by_round", "train_loss_by_round"):
-        trace[key] = head[key] + trace[key]
+    for curve in ("val_auc_by_round", "train_loss_by_round"):
+        trace[curve] = head[curve] + trace[curve]
     return {**diagnose(model, sites, data, cfg), **trace}
 
 
@@ -1294,14 +1295,14 @@ def curves_plot(out: Path, trials: list[str], seeds: list[int]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for line in (out / "trials.jsonl").read_text().splitlines()
-            if (row := json.loads(line))["trial"] in trials and row.get("seed", 0) in seeds and "val_auc_by_round" in row]
-    missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], row.get("seed", 0)) for row in rows})
+    rows = {seed: [row for (trial, _), row in done_trials(out / "trials.jsonl", seed).items()
+                   if trial in trials and "val_auc_by_round" in row] for seed in seeds}
+    missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], seed) for seed in seeds for row in rows[seed]})
     if missing:
         raise SystemExit(f"{out / 'trials.jsonl'} has no finished (trial, seed) {missing}; run them first")
     figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4.2), sharey=True, squeeze=False)
     for axis, seed in zip(axes[0], seeds):
-        for row in (row for row in rows if row.get("seed", 0) == seed):
+        for row in rows[seed]:
             values = row["val_auc_by_round"]
             axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']}")
         axis.set_title(f"seed {seed}")
