@@ -30,7 +30,8 @@ macro-F1 at the one threshold that is best on validation (and the test F1 at it)
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
 after every round, for federated methods the sites' own models' mean validation AUC before the
 last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation images
-with the class features' cosine to their own prototypes (`loss_terms`), and for federated methods how much of
+with the class features' cosine to their own prototypes (`loss_terms`) and, after every round, to each other
+(`class_feature_cosine`; `--curves-plot` draws it beside the AUC), and for federated methods how much of
 the sites' changes survives each round's average, per group of weights (`update_agreement`; `--agreement-plot`
 draws it by round into OUT/agreement.png). Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
 GroupNorm in the small CNN; `bench.server-momentum = beta`: FedAvgM's server momentum).
@@ -332,6 +333,11 @@ TRIALS = [
     # handed from site to site (the sites' skewed labels one site at a time), then the federation.
     *[(f"fednca-e1-r60-cyclic{epochs}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cyclic-start": epochs})
       for epochs in (6, 12)],
+    # The paper's backbone, ResNet-18 with the CIFAR stem (4 x 4 tokens of 512 dimensions at 32 px), both sides alike
+    # at the run's budget and lr: does the federation leave its first plateau with it, or is the gap the small CNN's?
+    # About 14x the small CNN's CPU a step (a GPU setting; on shapes-multi 32 px an hour a trial on one core).
+    *[(f"{method}-e1-r60-resnet18", method, {"num-server-rounds": 60, "local-epochs": 1, "model": "resnet18"})
+      for method in ("fednca", "centralized")],
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
@@ -651,9 +657,10 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 proximal_mu: float = 0.0, shared_state_from_round: int = 1, epoch_split: int = 1,
                 rounds: range | None = None, cyclic: bool = False) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
-    trace: `probe(model)` (validation macro-AUC) and the training loss after every round (the bound's over its
-    epoch; the sites' over their local training, weighted by example count), and for federated methods the mean probe
-    of the sites' own models after their last local training, before averaging, and each round's `update_agreement`
+    trace: `probe(model)` (a dict of measures, validation macro-AUC "val_auc" among them: each kept as
+    "<measure>_by_round") and the training loss after every round (the bound's over its
+    epoch; the sites' over their local training, weighted by example count), and for federated methods the mean
+    validation AUC of the sites' own models after their last local training, before averaging, and each round's `update_agreement`
     per group of weights. `optimizer_reset_steps`
     (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
     moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
@@ -692,7 +699,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         for _ in rounds:
             stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
                                 loss_fn=loss_fn, device=device, before_step=before_step)
-            trace["val_auc_by_round"].append(probe(model))
+            record(trace, probe(model))
             trace["train_loss_by_round"].append(round(float(stats["train_loss"]), 4))
         return trace
     state = model.state_dict()
@@ -731,7 +738,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         else:
             state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names, server_lr)
         model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
-        trace["val_auc_by_round"].append(probe(model))
+        record(trace, probe(model))
         # What a Flower run logs as the round's train loss: the sites' running losses, weighted by example count.
         examples = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
         losses = np.array([metrics["train_loss"] for _, metrics in updates], dtype=np.float64)
@@ -740,9 +747,15 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     site_scores = []
     for update, _ in updates:
         site_model.load_state_dict({k: v for k, v in update.items() if k in state})
-        site_scores.append(probe(site_model))
+        site_scores.append(probe(site_model)["val_auc"])
     trace["site_val_auc"] = float(np.mean(site_scores))
     return trace
+
+
+def record(trace: dict, measures: dict[str, float]) -> None:
+    """Append a round's `measures` to the trace's "<measure>_by_round" lists."""
+    for name, value in measures.items():
+        trace.setdefault(f"{name}_by_round", []).append(value)
 
 
 def epoch_part(site: SiteData, server_round: int, parts: int, seed: int) -> SiteData:
@@ -827,6 +840,22 @@ def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
 
 
 @torch.no_grad()
+@torch.no_grad()
+def class_feature_cosine(model: fednca_model.FedNCAModel, images: np.ndarray) -> float:
+    """Mean cosine between two classes' features f_bj, f_bk (j != k) of one image, over `images`, the model in
+    evaluation mode: 1 while every class's attention weighs the tokens alike (the LADM only pools), falling as the
+    classes attend to their own tokens. Where it leaves 1 is where the model leaves its first plateau."""
+    model.eval()
+    total, pairs = 0.0, 0
+    for x, _ in make_loader(images, np.zeros((len(images), 1), np.float32), 256, shuffle=False):
+        features = torch.nn.functional.normalize(model.forward_with_features(x)[2], dim=2)
+        gram = features @ features.transpose(1, 2)
+        k = gram.shape[1]
+        total += float(gram.sum() - gram.diagonal(dim1=1, dim2=2).sum())
+        pairs += len(x) * k * (k - 1)
+    return round(total / pairs, 4)
+
+
 def loss_terms(model: fednca_model.FedNCAModel, images: np.ndarray, labels: np.ndarray, cfg: RunConfig) -> dict:
     """FedNCA-ML's three loss terms (unweighted, per image) of the model in evaluation mode on (images, labels),
     and the mean cosine of each class feature f_bj to its own prototype w_j for present and for absent labels:
@@ -1126,10 +1155,13 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
 
-    def probe(trained: torch.nn.Module) -> float:
+    def probe(trained: torch.nn.Module) -> dict[str, float]:
         if not all(torch.isfinite(t).all() for t in trained.state_dict().values() if t.is_floating_point()):
             raise FloatingPointError("the global weights are no longer finite")
-        return round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)
+        measures = {"val_auc": round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)}
+        if getattr(trained, "use_ladm", False):
+            measures["class_feature_cosine"] = class_feature_cosine(trained, val_images)
+        return measures
 
     # A head start: the bound's first epochs (or as many passes of cyclic weight transfer), whose model the method
     # then trains for the rest of the run, so each side's share of the gap before and after that point can be told apart.
@@ -1144,8 +1176,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
                         options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1))
-    for curve in ("val_auc_by_round", "train_loss_by_round"):
-        trace[curve] = head[curve] + trace[curve]
+    for curve in [name for name, values in trace.items() if name.endswith("_by_round") and isinstance(values, list)]:
+        trace[curve] = head.get(curve, []) + trace[curve]
     return {**diagnose(model, sites, data, cfg), **trace}
 
 
@@ -1289,7 +1321,8 @@ def agreement_plot(out: Path) -> Path:
 
 def curves_plot(out: Path, trials: list[str], seeds: list[int]) -> Path:
     """OUT/curves.png: the validation macro-AUC after every round (the bound's: epoch) of the named finished trials
-    for `seeds`, one panel per seed, so where a trial leaves its first plateau can be seen beside another's."""
+    for `seeds`, one panel per seed, so where a trial leaves its first plateau can be seen beside another's; below
+    it, where the trials recorded it, the class features' mean cosine (`class_feature_cosine`) by round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1300,15 +1333,21 @@ def curves_plot(out: Path, trials: list[str], seeds: list[int]) -> Path:
     missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], seed) for seed in seeds for row in rows[seed]})
     if missing:
         raise SystemExit(f"{out / 'trials.jsonl'} has no finished (trial, seed) {missing}; run them first")
-    figure, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4.2), sharey=True, squeeze=False)
-    for axis, seed in zip(axes[0], seeds):
-        for row in rows[seed]:
-            values = row["val_auc_by_round"]
-            axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']}")
-        axis.set_title(f"seed {seed}")
+    curves = [("val_auc_by_round", "validation macro-AUC")]
+    if any("class_feature_cosine_by_round" in row for seed in seeds for row in rows[seed]):
+        curves.append(("class_feature_cosine_by_round", "class features' mean cosine"))
+    figure, axes = plt.subplots(len(curves), len(seeds), figsize=(6 * len(seeds), 4.2 * len(curves)), sharex=True,
+                                sharey="row", squeeze=False)
+    for (curve, label), panels in zip(curves, axes):
+        for axis, seed in zip(panels, seeds):
+            for row in rows[seed]:
+                values = row.get(curve, [])
+                axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']}")
+            axis.set_title(f"seed {seed}")
+        panels[0].set_ylabel(label)
+        panels[0].legend(fontsize=7)
+    for axis in axes[-1]:
         axis.set_xlabel("round (the bound: epoch)")
-    axes[0][0].set_ylabel("validation macro-AUC")
-    axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     path = out / "curves.png"
     figure.savefig(path, dpi=110)

@@ -17,6 +17,7 @@ from bench.fednca_search import (
     agreement_plot,
     curves_plot,
     bench_options,
+    class_feature_cosine,
     epoch_part,
     loss_terms,
     federated_average,
@@ -315,7 +316,7 @@ def test_the_sites_share_the_averaged_optimiser_state_only_from_the_chosen_round
         return dict(state), {"num-examples": 1, "train_loss": 0.0}
 
     monkeypatch.setattr("bench.fednca_search.train_site", fake_train_site)
-    train_trial(cfg, [0, 1], model, None, lambda m: 0.5, average_optimizer_state="second-moment",
+    train_trial(cfg, [0, 1], model, None, lambda m: {"val_auc": 0.5}, average_optimizer_state="second-moment",
                 shared_state_from_round=3)
     starts = {(r, k): state for r, k, state in received}
     assert starts[(1, 0)] is None and starts[(2, 0)] == {} and starts[(3, 1)] == {}
@@ -385,6 +386,27 @@ def test_loss_terms_add_up_to_the_training_loss_and_cosines_are_cosines():
     assert -1 <= terms["cos_absent"] <= 1 and -1 <= terms["cos_present"] <= 1
 
 
+def test_class_feature_cosine_is_one_where_every_class_attends_alike_and_minus_one_over_k_minus_one_on_the_etf():
+    cfg = RunConfig.from_run_config({"method": "fednca", "dataset": "digits", "mosaic-grid": 2})
+    data = load_task_dataset(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, data.num_classes, data.image_shape, etf=server_etf(cfg, data.num_classes, data.image_shape))
+    images = data.test_images[:300]  # two evaluation batches of 256, the second short: pairs are counted per image
+    dim = model.ladm.attention.embed_dim
+    with torch.no_grad():
+        model.ladm.attention.in_proj_weight[:dim] = 0.0  # every class's query projects to the same vector
+    assert class_feature_cosine(model, images) == pytest.approx(1.0, abs=1e-4)
+
+    class OnTheirPrototypes(torch.nn.Module):  # each class feature is its own ETF prototype, for every image
+        prototypes = model.prototypes
+
+        def forward_with_features(self, x):
+            return None, None, 3.0 * self.prototypes.expand(len(x), -1, -1)
+
+    k = data.num_classes
+    assert class_feature_cosine(OnTheirPrototypes(), images) == pytest.approx(-1 / (k - 1), abs=1e-4)
+
+
 def test_update_agreement_is_one_for_equal_changes_zero_for_opposite_and_splits_the_attention_projection():
     dim = 2
     global_state = {"backbone.w": torch.zeros(2), "ladm.attention.in_proj_weight": torch.zeros(3 * dim, dim)}
@@ -431,7 +453,7 @@ def test_a_head_start_trains_only_the_later_rounds_with_the_schedule_where_the_r
         return dict(state), {"num-examples": 1, "train_loss": 0.0}
 
     monkeypatch.setattr("bench.fednca_search.train_site", fake_train_site)
-    trace = train_trial(cfg, [0, 1], torch.nn.Linear(1, 1), None, lambda m: 0.5, rounds=range(3, 6))
+    trace = train_trial(cfg, [0, 1], torch.nn.Linear(1, 1), None, lambda m: {"val_auc": 0.5}, rounds=range(3, 6))
     assert asked == [3, 3, 4, 4, 5, 5] and len(trace["val_auc_by_round"]) == 3
 
     first_lrs = []
@@ -445,7 +467,7 @@ def test_a_head_start_trains_only_the_later_rounds_with_the_schedule_where_the_r
     site = SiteData(site_id=0, num_sites=1, num_classes=2, train_images=np.zeros((64, 1, 4, 4), np.uint8),
                     train_labels=np.zeros((64, 2), np.float32), val_images=np.zeros((0, 1, 4, 4), np.uint8),
                     val_labels=np.zeros((0, 2), np.float32), class_names=("a", "b"))
-    train_trial(bound, [site], torch.nn.Linear(1, 1), None, lambda m: 0.5, rounds=range(3, 6))
+    train_trial(bound, [site], torch.nn.Linear(1, 1), None, lambda m: {"val_auc": 0.5}, rounds=range(3, 6))
     # 64 images at batch 32: 2 steps an epoch, 10 in the run, warm-up 2; step 4 is at (10 - 4) / (10 - 2) of the peak.
     assert first_lrs[0] == pytest.approx(cfg.fednca.lr * 6 / 8) and len(first_lrs) == 3
 
@@ -476,6 +498,11 @@ def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one
     (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     path = curves_plot(tmp_path, ["default-fednca", "default-centralized"], [0, 1])
     assert path == tmp_path / "curves.png" and path.read_bytes().startswith(b"\x89PNG")
+    height = int.from_bytes(path.read_bytes()[20:24], "big")  # the PNG header's image height
+    rows[0]["class_feature_cosine_by_round"] = [1.0, 0.9, 0.5]  # a second row of panels: the class features' cosine
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert int.from_bytes(curves_plot(tmp_path, ["default-fednca", "default-centralized"], [0, 1]).read_bytes()[20:24],
+                          "big") == 2 * height
     with pytest.raises(SystemExit, match=r"\('default-fednca', 2\)"):
         curves_plot(tmp_path, ["default-fednca"], [0, 2])
 
