@@ -840,7 +840,6 @@ def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def class_feature_cosine(model: fednca_model.FedNCAModel, images: np.ndarray) -> float:
     """Mean cosine between two classes' features f_bj, f_bk (j != k) of one image, over `images`, the model in
     evaluation mode: 1 while every class's attention weighs the tokens alike (the LADM only pools), falling as the
@@ -856,6 +855,7 @@ def class_feature_cosine(model: fednca_model.FedNCAModel, images: np.ndarray) ->
     return round(total / pairs, 4)
 
 
+@torch.no_grad()
 def loss_terms(model: fednca_model.FedNCAModel, images: np.ndarray, labels: np.ndarray, cfg: RunConfig) -> dict:
     """FedNCA-ML's three loss terms (unweighted, per image) of the model in evaluation mode on (images, labels),
     and the mean cosine of each class feature f_bj to its own prototype w_j for present and for absent labels:
