@@ -335,7 +335,7 @@ TRIALS = [
       for epochs in (6, 12)],
     # The paper's backbone, ResNet-18 with the CIFAR stem (4 x 4 tokens of 512 dimensions at 32 px), both sides alike
     # at the run's budget and lr: does the federation leave its first plateau with it, or is the gap the small CNN's?
-    # About 14x the small CNN's CPU a step (a GPU setting; on shapes-multi 32 px an hour a trial on one core).
+    # About 13x the small CNN's CPU (a GPU setting; on shapes-multi 32 px over an hour a trial on one core).
     *[(f"{method}-e1-r60-resnet18", method, {"num-server-rounds": 60, "local-epochs": 1, "model": "resnet18"})
       for method in ("fednca", "centralized")],
     # GroupNorm instead of BatchNorm at the current budget, both sides alike (at 20 x 3 it stayed at chance, as
