@@ -55,6 +55,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from bench.compare import summarise
 from fedskew import client_tasks
@@ -64,7 +65,7 @@ from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.models import backbones
 from fedskew.models import fednca as fednca_model
-from fedskew.models.build import build_model, server_etf
+from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.metrics import THRESHOLD_GRID, choose_threshold, multilabel_metrics, threshold_counts
 from fedskew.training import evaluate, make_loader, predict, train_local
 
@@ -329,6 +330,10 @@ TRIALS = [
     *[(f"{method}-e1-r60-from-bound{epochs}", method, {"num-server-rounds": 60, "local-epochs": 1,
                                                        "bench.start-from-bound-epoch": epochs})
       for epochs in (6, 12, 30) for method in ("fednca", "centralized")],
+    # Only the head start's backbone, its LADM and ETF scale and bias back at their start: is the plateau the
+    # tokens the backbone gives, or the attention over them?
+    ("fednca-e1-r60-from-bound12-backbone", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                       "bench.start-from-bound-epoch": 12, "bench.head-start-keeps": "backbone"}),
     # The same head start without pooling any image: 12 passes of cyclic weight transfer, the model and one AdamW
     # handed from site to site (the sites' skewed labels one site at a time), then the federation.
     *[(f"fednca-e1-r60-cyclic{epochs}", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cyclic-start": epochs})
@@ -342,6 +347,23 @@ TRIALS = [
     # everything did there): normalisation that needs no statistics shared across sites.
     *[(f"{method}-e1-r60-groupnorm", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.norm": "group"})
       for method in ("fednca", "centralized")],
+    # A way off the first plateau that breaks no symmetry: each class attends to the tokens that already score as it
+    # (keys tied to the values, queries the fixed prototypes; `value_keyed_forward`), both sides alike.
+    *[(f"{method}-e1-r60-value-keys{temperature:g}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                              "bench.value-keyed-attention": temperature})
+      for temperature in (1.0, 10.0) for method in ("fednca", "centralized")],
+    # Tokens normalised before the attention: over their channels (a transformer's pre-attention LayerNorm), or
+    # per channel over the image's positions, which leaves no pooled read-out to learn before the attention.
+    *[(f"{method}-e1-r60-token-{name}", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.token-norm": over})
+      for name, over in (("layernorm", "channels"), ("instancenorm", "positions")) for method in ("fednca", "centralized")],
+    # The backbone pretrained on formula-drawn fractals at the server before round 1 (no site's image), both sides
+    # alike: the head start without pooled data, if what the bound's first epochs give is a backbone.
+    *[(f"{method}-e1-r60-fractal{epochs}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                    "fractal-pretrain-epochs": epochs})
+      for epochs in (5, 15) for method in ("fednca", "centralized")],
+    *[(f"{method}-e1-r60-fractal15", method, {"num-server-rounds": 60, "local-epochs": 1, "lr": 0.1,
+                                              "fractal-pretrain-epochs": 15})
+      for method in ("fedavg", "fedprox")],  # at the benchmark's baseline lr
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -1015,6 +1037,39 @@ def scaled_query_forward(scale: float):
     return forward
 
 
+def value_keyed_forward(temperature: float):
+    """`bench.value-keyed-attention`: one attention whose keys are its values. Each token goes through the
+    value and output projections; a class's attention over the tokens is the softmax of temperature x the dot
+    product of the token with the class's fixed prototype (its query), so a class attends to the tokens that already
+    read as that class, and its feature is their weighted mean. The query and key projections go unused. With every
+    class's scores alike this is the average pool; it needs no symmetry between classes broken to leave it."""
+
+    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
+        attention, dim = ladm.attention, tokens.shape[-1]
+        values = F.linear(tokens, attention.in_proj_weight[2 * dim:], attention.in_proj_bias[2 * dim:])
+        token_features = attention.out_proj(values)
+        scores = temperature * torch.einsum("kd,bnd->bkn", ladm.queries, token_features)
+        return torch.softmax(scores, dim=-1) @ token_features
+
+    return forward
+
+
+def normalised_token_forward(over: str):
+    """`bench.token-norm`: the LADM on tokens normalised to zero mean and unit variance, without an affine part,
+    over their channels ("channels": a transformer's pre-attention LayerNorm) or per channel over the image's
+    positions ("positions": an InstanceNorm of the feature map). Over positions, every image's mean token is 0, so
+    an attention that weighs all tokens alike reads nothing: there is no pooled read-out to learn first, and the
+    classes must attend to their own tokens from the first step."""
+    dim = {"channels": -1, "positions": -2}[over]
+
+    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = (tokens - tokens.mean(dim, keepdim=True)) / torch.sqrt(tokens.var(dim, unbiased=False, keepdim=True) + 1e-5)
+        queries = ladm.queries.unsqueeze(0).expand(tokens.shape[0], -1, -1)
+        return ladm.attention(queries, tokens, tokens, need_weights=False)[0]
+
+    return forward
+
+
 def clear_dataset_caches() -> None:
     """Forget the data sets and partitions loaded so far (a `bench.train-images` trial draws another set)."""
     site_data._load_task_dataset.cache_clear()
@@ -1063,15 +1118,20 @@ def bench_options(options: dict):
     k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-sites = n` runs the
     federated code path with n sites that each hold every n-th site's images (`pooled_sites`);
     `bench.start-from-bound-epoch = k` trains the bound's first k epochs and hands its model to the trial's method
-    for the run's remaining rounds, its schedule going on from there (`run_trial`); `bench.cyclic-start = k` does the
-    same with k passes of cyclic weight transfer over the sites (`SiteCycle`) instead of the bound's epochs."""
+    for the run's remaining rounds, its schedule going on from there (`run_trial`; with `bench.head-start-keeps =
+    "backbone"` only its backbone, the rest as the run started it); `bench.cyclic-start = k` does the
+    same with k passes of cyclic weight transfer over the sites (`SiteCycle`) instead of the bound's epochs;
+    `bench.value-keyed-attention = t` has each class attend to the tokens that score as it, at temperature t
+    (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
+    LADM (`normalised_token_forward`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
              "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
              "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
-             "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start"}
+             "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start",
+             "bench.value-keyed-attention", "bench.token-norm", "bench.head-start-keeps"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1090,6 +1150,11 @@ def bench_options(options: dict):
     if isinstance(pooled, bool) or not isinstance(pooled, int) or not 1 <= pooled <= NUM_SITES:
         raise ValueError(f"bench.pooled-sites is the number of sites the {NUM_SITES} sites' images are pooled into, "
                          f"an int from 1 to {NUM_SITES}; got {pooled!r}")
+    if sum(key in options for key in ("bench.query-scale", "bench.token-norm", "bench.value-keyed-attention")) > 1:
+        raise ValueError("bench options bench.query-scale, bench.token-norm and bench.value-keyed-attention each replace "
+                         "the LADM's forward; give one of them")
+    if options.get("bench.token-norm", "channels") not in ("channels", "positions"):
+        raise ValueError(f"bench.token-norm is 'channels' or 'positions'; got {options['bench.token-norm']!r}")
     if "bench.decay-share" in options and options.get("bench.cosine-decay"):
         raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
                          "warm-up; give one of them")
@@ -1106,6 +1171,10 @@ def bench_options(options: dict):
         client_tasks.train_local = warm_started_train_local
     if "bench.query-scale" in options:
         fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
+    if "bench.token-norm" in options:
+        fednca_model.LADM.forward = normalised_token_forward(options["bench.token-norm"])
+    if "bench.value-keyed-attention" in options:
+        fednca_model.LADM.forward = value_keyed_forward(options["bench.value-keyed-attention"])
     if options.get("bench.local-sgd"):
         client_tasks.fednca_optimizer = sgd_with_fednca_schedule
     if options.get("bench.block-second-moment"):
@@ -1139,6 +1208,10 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     if "bench.start-from-bound-epoch" in options and "bench.cyclic-start" in options:
         raise ValueError("bench.start-from-bound-epoch and bench.cyclic-start both give the run a head start; give one")
+    if "bench.head-start-keeps" in options and (options["bench.head-start-keeps"] != "backbone"
+                                                or "bench.start-from-bound-epoch" not in options):
+        raise ValueError("bench.head-start-keeps = 'backbone' hands over only the bound's backbone after its head start: "
+                         f"give it with bench.start-from-bound-epoch; got {options['bench.head-start-keeps']!r}")
     cyclic = "bench.cyclic-start" in options
     key = "bench.cyclic-start" if cyclic else "bench.start-from-bound-epoch"
     start = options.get(key, 0)
@@ -1151,7 +1224,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
-    model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
+    model = start_backbone(cfg, build_model(cfg, data.num_classes, data.image_shape, etf=etf), data.image_shape)
+    initial = copy.deepcopy(model.state_dict()) if "bench.head-start-keeps" in options else None
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
 
@@ -1168,6 +1242,9 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     head = (train_trial(cfg.model_copy(update={"method": "centralized"}), sites, model, etf, probe,
                         rounds=range(1, start + 1), cyclic=cyclic)
             if start else {"val_auc_by_round": [], "train_loss_by_round": []})
+    if options.get("bench.head-start-keeps") == "backbone":  # everything after the backbone as the run started it
+        model.load_state_dict({name: tensor if name.startswith("backbone.") else initial[name]
+                               for name, tensor in model.state_dict().items()})
     trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
                         options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
                         options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
@@ -1319,17 +1396,19 @@ def agreement_plot(out: Path) -> Path:
     return path
 
 
-def curves_plot(out: Path, trials: list[str], seeds: list[int]) -> Path:
+def curves_plot(out: Path, trials: list[str], seeds: list[int], datasets: list[str] | None = None) -> Path:
     """OUT/curves.png: the validation macro-AUC after every round (the bound's: epoch) of the named finished trials
-    for `seeds`, one panel per seed, so where a trial leaves its first plateau can be seen beside another's; below
-    it, where the trials recorded it, the class features' mean cosine (`class_feature_cosine`) by round."""
+    for `seeds` (on `datasets` only, when given), one panel per seed, so where a trial leaves its first plateau can
+    be seen beside another's; below it, where the trials recorded it, the class features' mean cosine
+    (`class_feature_cosine`) by round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = {seed: [row for (trial, _), row in done_trials(out / "trials.jsonl", seed).items()
-                   if trial in trials and "val_auc_by_round" in row] for seed in seeds}
+                   if trial in trials and "val_auc_by_round" in row and (not datasets or row["dataset"] in datasets)]
+            for seed in seeds}
     missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], seed) for seed in seeds for row in rows[seed]})
     if missing:
         raise SystemExit(f"{out / 'trials.jsonl'} has no finished (trial, seed) {missing}; run them first")
@@ -1377,7 +1456,7 @@ def main(argv: list[str] | None = None) -> None:
         print(agreement_plot(args.out))
         return
     if args.curves_plot:
-        print(curves_plot(args.out, args.trials.split(","), seeds))
+        print(curves_plot(args.out, args.trials.split(","), seeds, args.dataset))
         return
     if args.report or args.table:
         print(report(args.out) if args.report else table(args.out, seeds))

@@ -23,7 +23,7 @@ from fedskew.data.site_folder import load_test_set
 from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
-from fedskew.models.build import build_model, load_pretrained_backbone, server_etf
+from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.privacy import private_strategy
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
 from fedskew.strategies import build_strategy
@@ -257,10 +257,13 @@ def run_rounds(
     the method's strategy wrapped for differential privacy when configured, and its rounds."""
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
-    model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
+    model = build_model(cfg, task.num_classes, task.image_shape, etf=etf)
     done, resumed_state = resume_point(cfg, recorder, model.state_dict())
     if resumed_state is not None:
         model.load_state_dict(resumed_state)
+    else:  # a resumed run has its weights; pretraining them again would be thrown away
+        start_backbone(cfg, model, task.image_shape)
+    model.to(device)
     strategy = build_strategy(cfg, num_sites, model, etf=etf)
     thresholds = counted_thresholds(cfg.threshold)
     strategy.attach(recorder, round_offset=done, refused=set(refused),
@@ -298,7 +301,7 @@ def train_centralized(
     test = load_task_dataset(cfg)
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.fednca_model else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
-    model = load_pretrained_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf)).to(device)
+    model = start_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf), task.image_shape).to(device)
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
     recorder.record_round(0, evaluate(model, test.test_images, test.test_labels, device=device))

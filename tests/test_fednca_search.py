@@ -3,7 +3,9 @@ the federated average and the GroupNorm ablation."""
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import re
 
 import numpy as np
@@ -20,6 +22,7 @@ from bench.fednca_search import (
     class_feature_cosine,
     epoch_part,
     loss_terms,
+    normalised_token_forward,
     federated_average,
     hold_then_decay,
     momentum_step,
@@ -32,6 +35,7 @@ from bench.fednca_search import (
     run_trial,
     SiteCycle,
     validation_threshold,
+    value_keyed_forward,
     warm_start_adam,
     update_agreement,
     warmup_then_cosine,
@@ -43,6 +47,7 @@ from fedskew.data.sites import SiteData, load_task_dataset
 from fedskew.data.pixels import unit_float
 from fedskew.models import backbones
 from fedskew.models.build import build_model, server_etf
+from fedskew.models import fednca as fednca_model
 from fedskew.models.fednca import fednca_loss
 from fedskew.training import make_loader
 
@@ -407,6 +412,52 @@ def test_class_feature_cosine_is_one_where_every_class_attends_alike_and_minus_o
     assert class_feature_cosine(OnTheirPrototypes(), images) == pytest.approx(-1 / (k - 1), abs=1e-4)
 
 
+def ladm_with_identity_values(k: int = 4, dim: int = 8) -> fednca_model.LADM:
+    ladm = fednca_model.LADM(fednca_model.simplex_etf(k, dim, seed=0).T, num_heads=1)
+    with torch.no_grad():  # values and output pass the tokens through unchanged
+        ladm.attention.in_proj_weight[2 * dim:] = torch.eye(dim)
+        ladm.attention.in_proj_bias.zero_()
+        ladm.attention.out_proj.weight.copy_(torch.eye(dim))
+        ladm.attention.out_proj.bias.zero_()
+    return ladm
+
+
+def test_value_keyed_attention_pools_at_temperature_zero_and_sends_each_class_to_its_own_token():
+    ladm = ladm_with_identity_values()
+    tokens = 5.0 * ladm.queries.unsqueeze(0)  # token j is class j's prototype, scaled: it scores 5 on it
+    pooled = value_keyed_forward(0.0)(ladm, tokens)
+    assert torch.allclose(pooled, tokens.mean(dim=1, keepdim=True).expand_as(pooled), atol=1e-6)
+    # At temperature t, class j weighs token n by softmax_n(t * 5 * <w_j, w_n>): 5t on its own token, -5t/(K-1) on
+    # the others, so its own token's weight is e^(5t) / (e^(5t) + (K-1) e^(-5t/(K-1))).
+    k, t = 4, 1.0
+    own = math.exp(5 * t) / (math.exp(5 * t) + (k - 1) * math.exp(-5 * t / (k - 1)))
+    features = value_keyed_forward(t)(ladm, tokens)[0]
+    expected = own * tokens[0] + (1 - own) / (k - 1) * (tokens[0].sum(dim=0, keepdim=True) - tokens[0])
+    assert torch.allclose(features, expected, atol=1e-5)
+
+
+def test_token_norm_gives_the_ladm_tokens_of_zero_mean_and_unit_variance_over_channels_or_positions():
+    ladm = ladm_with_identity_values()
+    tokens = torch.randn(2, 6, 8) * 4.0 + 3.0
+    over_channels = torch.nn.functional.layer_norm(tokens, (8,))
+    assert torch.allclose(normalised_token_forward("channels")(ladm, tokens), ladm(over_channels), atol=1e-5)
+    over_positions = normalised_token_forward("positions")
+    # Over positions, an image whose tokens are all one vector has nothing left to read: every class gets the
+    # values' bias alone (0 here), whatever its attention.
+    flat = torch.ones(1, 6, 8) * torch.arange(8.0)
+    assert torch.allclose(over_positions(ladm, flat), torch.zeros(1, 4, 8), atol=1e-4)
+    # and adding one vector to every token, or scaling each channel, changes nothing.
+    shifted = tokens * torch.linspace(0.5, 2.0, 8) + torch.randn(1, 1, 8)
+    assert torch.allclose(over_positions(ladm, shifted), over_positions(ladm, tokens), atol=1e-4)
+    assert not torch.allclose(ladm(shifted), ladm(tokens), atol=1e-3)
+    with pytest.raises(ValueError, match="each replace the LADM's forward; give one"):
+        with bench_options({"bench.token-norm": "channels", "bench.value-keyed-attention": 1.0}):
+            pass
+    with pytest.raises(ValueError, match="'channels' or 'positions'; got 'tokens'"):
+        with bench_options({"bench.token-norm": "tokens"}):
+            pass
+
+
 def test_update_agreement_is_one_for_equal_changes_zero_for_opposite_and_splits_the_attention_projection():
     dim = 2
     global_state = {"backbone.w": torch.zeros(2), "ladm.attention.in_proj_weight": torch.zeros(3 * dim, dim)}
@@ -472,6 +523,33 @@ def test_a_head_start_trains_only_the_later_rounds_with_the_schedule_where_the_r
     assert first_lrs[0] == pytest.approx(cfg.fednca.lr * 6 / 8) and len(first_lrs) == 3
 
 
+def test_a_head_start_that_keeps_the_backbone_hands_over_the_rest_as_the_run_started_it(monkeypatch):
+    cfg = RunConfig.from_run_config({"method": "fednca", "dataset": "digits", "mosaic-grid": 2,
+                                     "num-server-rounds": 3, "local-epochs": 1})
+    handed = []
+
+    def fake_train_trial(cfg, sites, model, etf, probe, *args, rounds, **rest):
+        if rounds[0] == 1:  # the head start: every weight moves
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    tensor += 1
+        else:
+            handed.append(copy.deepcopy(model.state_dict()))
+        return {"val_auc_by_round": [], "train_loss_by_round": []}
+
+    monkeypatch.setattr("bench.fednca_search.train_trial", fake_train_trial)
+    monkeypatch.setattr("bench.fednca_search.diagnose", lambda *args: {})
+    run_trial(cfg, 1.0, {"bench.start-from-bound-epoch": 1, "bench.head-start-keeps": "backbone"})
+    data = load_task_dataset(cfg)
+    torch.manual_seed(cfg.seed)
+    start = build_model(cfg, data.num_classes, data.image_shape, etf=server_etf(cfg, data.num_classes, data.image_shape))
+    for name, tensor in start.state_dict().items():
+        moved = tensor + 1 if name.startswith("backbone.") else tensor
+        assert torch.equal(handed[0][name], moved), name
+    with pytest.raises(ValueError, match="give it with bench.start-from-bound-epoch"):
+        run_trial(cfg, 1.0, {"bench.head-start-keeps": "backbone"})
+
+
 @pytest.mark.parametrize("epochs", [60, -1, 2.5, True])
 def test_a_head_start_outside_the_run_is_refused_before_any_data_is_drawn(epochs):
     cfg = RunConfig.from_run_config({"method": "fednca", "num-server-rounds": 60})
@@ -505,6 +583,8 @@ def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one
                           "big") == 2 * height
     with pytest.raises(SystemExit, match=r"\('default-fednca', 2\)"):
         curves_plot(tmp_path, ["default-fednca"], [0, 2])
+    with pytest.raises(SystemExit, match=r"\('default-fednca', 0\)"):  # none of them on another data set
+        curves_plot(tmp_path, ["default-fednca"], [0], datasets=["digits-mosaic"])
 
 
 def test_a_misspelled_trial_is_named_instead_of_running_nothing(tmp_path):

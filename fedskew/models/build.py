@@ -8,6 +8,7 @@ from torch import nn
 from fedskew.config import RunConfig
 from fedskew.models.backbones import Classifier, build_backbone, load_pretrained
 from fedskew.models.fednca import FedNCAModel, etf_dim, simplex_etf
+from fedskew.models.fractal import fractal_pretrain
 
 
 def server_etf(cfg: RunConfig, num_classes: int, image_shape: tuple[int, int, int]) -> torch.Tensor:
@@ -53,9 +54,12 @@ def weights_mismatch(state: dict[str, torch.Tensor], reference: dict[str, torch.
     return None
 
 
-def load_pretrained_backbone(cfg: RunConfig, model: nn.Module) -> nn.Module:
-    """The server's initial model starts from `pretrained` (sites receive these weights in round 1 and
-    never read the file); a no-op without it."""
+def start_backbone(cfg: RunConfig, model: nn.Module, image_shape: tuple[int, int, int]) -> nn.Module:
+    """The server's initial model: its backbone from `pretrained`, or trained `fractal-pretrain-epochs` on
+    formula-drawn fractals of `image_shape` (channels, height, width), or as built. Sites receive these weights
+    in round 1 and never read the file nor draw the fractals."""
     if cfg.pretrained:
         load_pretrained(model.backbone, cfg.pretrained, cfg.model)
+    elif cfg.fractal_pretrain_epochs:
+        fractal_pretrain(model.backbone, image_shape[0], image_shape[1], cfg.fractal_pretrain_epochs, cfg.seed)
     return model
