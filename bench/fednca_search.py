@@ -364,6 +364,10 @@ TRIALS = [
     *[(f"{method}-e1-r60-fractal15", method, {"num-server-rounds": 60, "local-epochs": 1, "lr": 0.1,
                                               "fractal-pretrain-epochs": 15})
       for method in ("fedavg", "fedprox")],  # at the benchmark's baseline lr
+    # A pretrained backbone may want a smaller step than random weights: both sides at a third of the default lr.
+    *[(f"{method}-e1-r60-fractal15-lr0.001", method, {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.001,
+                                                      "fractal-pretrain-epochs": 15})
+      for method in ("fednca", "centralized")],
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -1412,6 +1416,10 @@ def curves_plot(out: Path, trials: list[str], seeds: list[int], datasets: list[s
     missing = sorted({(t, seed) for t in trials for seed in seeds} - {(row["trial"], seed) for seed in seeds for row in rows[seed]})
     if missing:
         raise SystemExit(f"{out / 'trials.jsonl'} has no finished (trial, seed) {missing}; run them first")
+    # One colour per (data set, trial) in every panel, whatever order the log holds the seeds' rows in: the legend
+    # is drawn in the first panel only.
+    names = sorted({f"{row['dataset']}, {row['trial']}" for seed in seeds for row in rows[seed]})
+    colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(names)}
     curves = [("val_auc_by_round", "validation macro-AUC")]
     if any("class_feature_cosine_by_round" in row for seed in seeds for row in rows[seed]):
         curves.append(("class_feature_cosine_by_round", "class features' mean cosine"))
@@ -1420,8 +1428,8 @@ def curves_plot(out: Path, trials: list[str], seeds: list[int], datasets: list[s
     for (curve, label), panels in zip(curves, axes):
         for axis, seed in zip(panels, seeds):
             for row in rows[seed]:
-                values = row.get(curve, [])
-                axis.plot(range(1, len(values) + 1), values, label=f"{row['dataset']}, {row['trial']}")
+                values, name = row.get(curve, []), f"{row['dataset']}, {row['trial']}"
+                axis.plot(range(1, len(values) + 1), values, label=name, color=colours[name])
             axis.set_title(f"seed {seed}")
         panels[0].set_ylabel(label)
         panels[0].legend(fontsize=7)

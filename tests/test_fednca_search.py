@@ -570,7 +570,8 @@ def test_cyclic_weight_transfer_visits_each_site_whole_in_turn_reshuffled_every_
     assert len({tuple(seen[:5]) for seen in passes}) > 1  # a fresh order each pass, not one fixed order
 
 
-def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one(tmp_path):
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the colour check below draws nothing
+def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one(tmp_path, monkeypatch):
     rows = [{"trial": name, "dataset": "shapes-multi-32", "seed": seed, "val_auc_by_round": [0.5, 0.6, 0.7]}
             for name in ("default-fednca", "default-centralized") for seed in (0, 1)]
     (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -583,6 +584,14 @@ def test_the_curves_plot_draws_the_named_trials_per_seed_and_names_a_missing_one
                           "big") == 2 * height
     with pytest.raises(SystemExit, match=r"\('default-fednca', 2\)"):
         curves_plot(tmp_path, ["default-fednca"], [0, 2])
+    drawn = {}  # each trial in one colour on every panel, though seed 1's rows come in the other order
+    monkeypatch.setattr("matplotlib.axes.Axes.plot",
+                        lambda axis, x, y, **style: drawn.setdefault(style["label"], set()).add(style.get("color")))
+    rows[1], rows[3] = rows[3], rows[1]  # seed 1: the bound's row first
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    curves_plot(tmp_path, ["default-fednca", "default-centralized"], [0, 1])
+    assert len(drawn) == 2 and all(len(colours) == 1 for colours in drawn.values())
+    assert drawn["shapes-multi-32, default-fednca"] != drawn["shapes-multi-32, default-centralized"]
     with pytest.raises(SystemExit, match=r"\('default-fednca', 0\)"):  # none of them on another data set
         curves_plot(tmp_path, ["default-fednca"], [0], datasets=["digits-mosaic"])
 
