@@ -1237,7 +1237,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
         if not all(torch.isfinite(t).all() for t in trained.state_dict().values() if t.is_floating_point()):
             raise FloatingPointError("the global weights are no longer finite")
         measures = {"val_auc": round(float(evaluate(trained, val_images, val_labels, device=torch.device("cpu"))["auc_macro"]), 4)}
-        if getattr(trained, "use_ladm", False):
+        if getattr(trained, "use_ladm", False) and trained is model:  # the sites' own models: their AUC only
             measures["class_feature_cosine"] = class_feature_cosine(trained, val_images)
         return measures
 

@@ -262,7 +262,7 @@ def run_rounds(
     if resumed_state is not None:
         model.load_state_dict(resumed_state)
     else:  # a resumed run has its weights; pretraining them again would be thrown away
-        start_backbone(cfg, model, task.image_shape)
+        start_backbone(cfg, model, task.image_shape, device)
     model.to(device)
     strategy = build_strategy(cfg, num_sites, model, etf=etf)
     thresholds = counted_thresholds(cfg.threshold)
@@ -301,7 +301,8 @@ def train_centralized(
     test = load_task_dataset(cfg)
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.fednca_model else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
-    model = start_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf), task.image_shape).to(device)
+    model = start_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf), task.image_shape,
+                           device).to(device)
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
     recorder.record_round(0, evaluate(model, test.test_images, test.test_labels, device=device))

@@ -36,7 +36,7 @@ def test_the_chaos_game_draws_the_attractor_fitted_to_the_frame():
     assert torch.equal(image, torch.eye(16))  # 1,000 points land on each of the 16 diagonal pixels
 
 
-def test_fractal_images_are_seeded_one_category_per_block_and_the_pretraining_moves_only_the_backbone():
+def test_fractal_images_are_seeded_one_category_per_block_and_the_pretraining_moves_only_the_backbone(capsys):
     images, labels = fractal_images(3, 4, 1, 12, seed=5)
     again, _ = fractal_images(3, 4, 1, 12, seed=5)
     assert images.shape == (12, 1, 12, 12) and images.dtype == np.uint8 and np.array_equal(images, again)
@@ -48,6 +48,7 @@ def test_fractal_images_are_seeded_one_category_per_block_and_the_pretraining_mo
     assert set(backbone.state_dict()) == set(before)  # the head stays outside the backbone
     assert any(not torch.equal(before[name], tensor) for name, tensor in backbone.state_dict().items())
     assert 0.0 <= result["fractal_accuracy"] <= 1.0 and result["fractal_loss"] > 0
+    assert f"accuracy {result['fractal_accuracy']}" in capsys.readouterr().out  # the run's log says how far it got
 
 
 def test_the_server_start_pretrains_the_backbone_alike_from_the_seed_and_leaves_the_head_as_built(monkeypatch):

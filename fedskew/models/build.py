@@ -54,12 +54,14 @@ def weights_mismatch(state: dict[str, torch.Tensor], reference: dict[str, torch.
     return None
 
 
-def start_backbone(cfg: RunConfig, model: nn.Module, image_shape: tuple[int, int, int]) -> nn.Module:
+def start_backbone(cfg: RunConfig, model: nn.Module, image_shape: tuple[int, int, int],
+                   device: torch.device | None = None) -> nn.Module:
     """The server's initial model: its backbone from `pretrained`, or trained `fractal-pretrain-epochs` on
-    formula-drawn fractals of `image_shape` (channels, height, width), or as built. Sites receive these weights
-    in round 1 and never read the file nor draw the fractals."""
+    formula-drawn fractals of `image_shape` (channels, height, width) on `device` (default CPU), or as built.
+    Sites receive these weights in round 1 and never read the file nor draw the fractals."""
     if cfg.pretrained:
         load_pretrained(model.backbone, cfg.pretrained, cfg.model)
     elif cfg.fractal_pretrain_epochs:
-        fractal_pretrain(model.backbone, image_shape[0], image_shape[1], cfg.fractal_pretrain_epochs, cfg.seed)
+        fractal_pretrain(model.backbone, image_shape[0], image_shape[1], cfg.fractal_pretrain_epochs, cfg.seed,
+                         device=device)
     return model

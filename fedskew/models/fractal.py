@@ -87,9 +87,9 @@ def fractal_images(categories: int, per_category: int, channels: int, side: int,
 def fractal_pretrain(backbone: nn.Module, channels: int, side: int, epochs: int, seed: int,
                      categories: int = CATEGORIES, per_category: int = PER_CATEGORY,
                      device: torch.device | None = None) -> dict[str, float]:
-    """Train `backbone` in place to classify the fractal categories: a linear head (discarded afterwards) on its
-    average-pooled features, AdamW, cross-entropy, a progress line every 20 s. Returns the last epoch's mean
-    training loss and accuracy."""
+    """Train `backbone` in place on `device` (default CPU) to classify the fractal categories: a linear head
+    (discarded afterwards) on its average-pooled features, AdamW, cross-entropy, a progress line every 20 s and a
+    last one with the final epoch's mean training loss and accuracy, which it also returns."""
     device = device or torch.device("cpu")
     images, labels = fractal_images(categories, per_category, channels, side, seed)
     head = nn.Linear(backbone.feature_dim, categories)
@@ -111,4 +111,7 @@ def fractal_pretrain(backbone: nn.Module, channels: int, side: int, epochs: int,
             loss_sum += loss.item() * len(x)
             correct += (logits.argmax(1) == y).sum().item()
             progress(step, total, loss.item())
-    return {"fractal_loss": round(loss_sum / len(images), 4), "fractal_accuracy": round(correct / len(images), 4)}
+    result = {"fractal_loss": round(loss_sum / len(images), 4), "fractal_accuracy": round(correct / len(images), 4)}
+    print(f"fractal pretraining done: last epoch's loss {result['fractal_loss']}, accuracy {result['fractal_accuracy']}",
+          flush=True)
+    return result
