@@ -44,9 +44,12 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
+import inspect
 import itertools
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -63,13 +66,17 @@ from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.models import backbones
+from fedskew.models import backbones, build as model_build
 from fedskew.models import fednca as fednca_model
 from fedskew.models.build import build_model, server_etf, start_backbone
+from fedskew.models import fractal as fractal_module
+from fedskew.models.fractal import fractal_pretrain
 from fedskew.metrics import THRESHOLD_GRID, choose_threshold, multilabel_metrics, threshold_counts
 from fedskew.training import evaluate, make_loader, predict, train_local
 
 NUM_SITES = 10
+# Where trials keep their fractal-pretrained backbones (`cached_fractal_pretrain`): outside the repository.
+FRACTAL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedskew" / "fractal-backbones"
 # Multi-label datasets of different size, texture and difficulty, all with multilabel-skew partitions.
 DATASETS = {
     "digits-mosaic": {"dataset": "digits", "mosaic-grid": 2},  # 16 px grey
@@ -364,6 +371,26 @@ TRIALS = [
     *[(f"{method}-e1-r60-fractal15", method, {"num-server-rounds": 60, "local-epochs": 1, "lr": 0.1,
                                               "fractal-pretrain-epochs": 15})
       for method in ("fedavg", "fedprox")],  # at the benchmark's baseline lr
+    # Is the gap from the fractal-pretrained start the label skew? The same start with every label at every site.
+    ("fednca-e1-r60-fractal15-iid", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "partition": "iid",
+                                               "fractal-pretrain-epochs": 15}),
+    # Or the restart? The bound from the same start with its AdamW restarted as often as a site's (6 steps).
+    ("centralized-e1-r60-fractal15-adam-reset6", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                                 "fractal-pretrain-epochs": 15,
+                                                                 "bench.optimizer-reset-steps": 6}),
+    # If neither, the averaging itself? A round of ten sites' 6 steps at batch 32, averaged, is
+    # close to 6 steps at batch 320; the bound at batch 320 takes as few steps (6 an epoch) at the same lr.
+    # And the way back to the bound's many small steps: every site at batch 8 (22-24 steps a round), both sides.
+    ("centralized-e1-r60-fractal15-batch320", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                              "fractal-pretrain-epochs": 15, "batch-size": 320}),
+    *[(f"{method}-e1-r60-fractal15-batch8", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                     "fractal-pretrain-epochs": 15, "batch-size": 8})
+      for method in ("fednca", "centralized")],
+    # More sequential steps between two averages instead: three local epochs a round (18 steps; 3x the CPU).
+    ("fednca-e3-r60-fractal15", "fednca", {"num-server-rounds": 60, "local-epochs": 3, "fractal-pretrain-epochs": 15}),
+    # The same from random weights (the default start), both sides.
+    *[(f"{method}-e1-r60-batch8", method, {"num-server-rounds": 60, "local-epochs": 1, "batch-size": 8})
+      for method in ("fednca", "centralized")],
     # A pretrained backbone may want a smaller step than random weights: both sides at a third of the default lr.
     *[(f"{method}-e1-r60-fractal15-lr0.001", method, {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.001,
                                                       "fractal-pretrain-epochs": 15})
@@ -1208,6 +1235,38 @@ def bench_options(options: dict):
         clear_dataset_caches()
 
 
+def cached_fractal_pretrain(cache_dir: Path) -> Callable:
+    """`fractal_pretrain`, its backbone kept in `cache_dir` under a digest of everything it reads: the backbone's
+    weights, the global torch RNG state (its discarded head's initialisation draws from it), its arguments and the
+    source of the module that draws and trains (so an edited pretraining is never served from an older run). A
+    trial that finds it loads the weights and the RNG state the pretraining left, so it goes on exactly as one
+    that pretrained (200-220 CPU s saved at 32 px)."""
+
+    def pretrain(backbone: torch.nn.Module, channels: int, side: int, epochs: int, seed: int, **kwargs) -> dict:
+        digest = hashlib.sha256(inspect.getsource(fractal_module).encode())
+        digest.update(repr((channels, side, epochs, seed, sorted(kwargs.items(), key=str))).encode())
+        for name, tensor in backbone.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(torch.get_rng_state().numpy().tobytes())
+        path = cache_dir / f"{digest.hexdigest()}.pt"
+        if path.is_file():
+            saved = torch.load(path)
+            backbone.load_state_dict(saved["backbone"])
+            torch.set_rng_state(saved["rng_state"])
+            print(f"fractal pretraining: the backbone pretrained earlier with these weights and seed, from {path}",
+                  flush=True)
+            return saved["result"]
+        result = fractal_pretrain(backbone, channels, side, epochs, seed, **kwargs)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save({"backbone": backbone.state_dict(), "rng_state": torch.get_rng_state(), "result": result}, partial)
+        partial.replace(path)  # whole or absent: a trial stopped mid-write leaves no half file to load
+        return result
+
+    return pretrain
+
+
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
     if "bench.start-from-bound-epoch" in options and "bench.cyclic-start" in options:
@@ -1228,7 +1287,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     data = load_task_dataset(cfg)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
-    model = start_backbone(cfg, build_model(cfg, data.num_classes, data.image_shape, etf=etf), data.image_shape)
+    with mock.patch.object(model_build, "fractal_pretrain", cached_fractal_pretrain(FRACTAL_CACHE)):
+        model = start_backbone(cfg, build_model(cfg, data.num_classes, data.image_shape, etf=etf), data.image_shape)
     initial = copy.deepcopy(model.state_dict()) if "bench.head-start-keeps" in options else None
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])

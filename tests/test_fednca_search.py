@@ -19,6 +19,7 @@ from bench.fednca_search import (
     agreement_plot,
     curves_plot,
     bench_options,
+    cached_fractal_pretrain,
     class_feature_cosine,
     epoch_part,
     loss_terms,
@@ -129,6 +130,29 @@ def test_two_decay_shapes_at_once_are_refused_rather_than_one_silently_winning()
     with pytest.raises(ValueError, match="bench.decay-share and bench.cosine-decay"):
         with bench_options({"bench.decay-share": 0.2, "bench.cosine-decay": True}):
             pass
+
+
+def test_a_cached_fractal_backbone_leaves_the_weights_and_the_rng_where_pretraining_leaves_them(tmp_path, capsys, monkeypatch):
+    def pretrained(pretrain, init_seed: int = 0):
+        torch.manual_seed(init_seed)
+        backbone = backbones.build_backbone("small-cnn", 3, 12)
+        pretrain(backbone, 3, 12, 1, 0, categories=2, per_category=4)
+        return backbone.state_dict(), torch.rand(3)  # the draw after it: the RNG state the pretraining left
+
+    from bench.fednca_search import fractal_pretrain
+    weights, draw = pretrained(fractal_pretrain)
+    for run in ("miss", "hit"):
+        cached_weights, cached_draw = pretrained(cached_fractal_pretrain(tmp_path))
+        assert all(torch.equal(weights[name], cached_weights[name]) for name in weights), run
+        assert torch.equal(draw, cached_draw), run
+    assert len(list(tmp_path.glob("*.pt"))) == 1 and "pretrained earlier" in capsys.readouterr().out
+    other_start, _ = pretrained(cached_fractal_pretrain(tmp_path), init_seed=1)  # other weights: another entry
+    assert len(list(tmp_path.glob("*.pt"))) == 2
+    assert not all(torch.equal(weights[name], other_start[name]) for name in weights)
+    with monkeypatch.context() as patch:  # an edited pretraining is never served from the entry of the older one
+        patch.setattr("bench.fednca_search.inspect.getsource", lambda module: "# edited\n")
+        pretrained(cached_fractal_pretrain(tmp_path))
+    assert len(list(tmp_path.glob("*.pt"))) == 3
 
 
 def test_width_and_train_images_options_apply_only_inside_the_block():
