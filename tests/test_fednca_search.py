@@ -50,6 +50,7 @@ from fedskew.models import backbones
 from fedskew.models.build import build_model, server_etf
 from fedskew.models import fednca as fednca_model
 from fedskew.models.fednca import fednca_loss
+from fedskew.models.fractal import fractal_pretrain
 from fedskew.training import make_loader
 
 
@@ -139,7 +140,6 @@ def test_a_cached_fractal_backbone_leaves_the_weights_and_the_rng_where_pretrain
         pretrain(backbone, 3, 12, 1, 0, categories=2, per_category=4)
         return backbone.state_dict(), torch.rand(3)  # the draw after it: the RNG state the pretraining left
 
-    from bench.fednca_search import fractal_pretrain
     weights, draw = pretrained(fractal_pretrain)
     for run in ("miss", "hit"):
         cached_weights, cached_draw = pretrained(cached_fractal_pretrain(tmp_path))
