@@ -6,18 +6,21 @@ import hashlib
 import json
 import shutil
 import subprocess
+import zipfile
+from io import BytesIO
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from flwr.cli.build import build_fab_from_disk
 from flwr.supercore.fab import Fab
 from flwr.supercore.utils import request_download_link
 from flwr.supernode.start_client_internal import _verify_fab
 
 from fedskew.app_signing import AppIndex, publish_app, signature_record
 from fedskew.cli import main as cli_main
-from fedskew.launch import free_port
+from fedskew.launch import APP_DIR, free_port
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
@@ -42,6 +45,13 @@ def tiny_app(tmp_path_factory):
         '[tool.flwr.app.components]\nserverapp = "tinyapp:server"\nclientapp = "tinyapp:client"\n'
     )
     return app
+
+
+def test_the_apps_bundle_holds_the_package_and_what_the_docker_image_copies_nothing_else():
+    """Every site downloads the FAB (and every run installs it): benchmarks, docs and tests stay home."""
+    names = set(zipfile.ZipFile(BytesIO(build_fab_from_disk(APP_DIR))).namelist()) - {".info/CONTENT"}
+    package = {str(p.relative_to(APP_DIR)) for p in (APP_DIR / "fedskew").rglob("*.py") if "__pycache__" not in p.parts}
+    assert names == package | {"pyproject.toml", "README.md", "LICENSE"}
 
 
 def _trusted(keys, name="federation") -> dict[str, str]:
