@@ -221,7 +221,6 @@ class SimulationSuperLink:
         (init-args-num-cpus; default all), so ray_cpus / cpus_per_client ClientApps run at a time."""
         config_file = self.home / f"run-config-{time.monotonic_ns()}.toml"
         config_file.write_text(run_config_toml(run_config))
-        known = {r["run-id"] for r in self.runs()}
         output = self.stream_flwr(
             "run", str(app_dir), "sim", "--run-config", str(config_file), "--stream",
             "--federation-config",
@@ -229,15 +228,17 @@ class SimulationSuperLink:
             + (f" init-args-num-cpus={ray_cpus}" if ray_cpus else ""),
             timeout=timeout, cwd=app_dir, echo=echo, on_line=on_line,
         )  # fmt: skip
+        started = re.search(r"Successfully started run (\d+)", output)
+        if not started:
+            return RunOutcome(None, "not-started", output)
+        run_id = int(started.group(1))
         deadline = time.monotonic() + 60
-        while True:
-            new = [r for r in self.runs() if r["run-id"] not in known]
-            if new and new[0]["status"].startswith("finished") or time.monotonic() > deadline:
+        while True:  # the log stream can end a moment before the run's status is final
+            run = next((r for r in self.runs() if r["run-id"] == str(run_id)), None)  # listed as a string
+            if run and run["status"].startswith("finished") or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        if not new:
-            return RunOutcome(None, "not-started", output)
-        return RunOutcome(new[0]["run-id"], new[0]["status"], output, new[0])
+        return RunOutcome(run_id, run["status"] if run else "not-found", output, run or {})
 
 
 class RayCluster:

@@ -1,4 +1,4 @@
-"""Suite-wide settings: one compute thread per test process.
+"""Suite-wide settings: one compute thread per test process, and the longest modules first.
 
 The suite runs on two pytest-xdist workers on a 2-core machine, and the real Flower runs start
 more processes beside them. Torch's default thread pool (one thread per core in every process)
@@ -23,3 +23,15 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder`, pyproject) hands each worker a whole module, in
+# collection order, and the next one only when it is nearly done. Started last, the modules of real Flower
+# runs (each minutes long) would end the suite on one worker while the other idles; started first, the
+# hundreds of short tests fill in behind them. Longest first, as `pytest --durations` measures them.
+LONGEST_FIRST = ("test_factory.py", "test_deploy.py", "test_e2e_flower.py", "test_ray_cluster.py", "test_factory_search.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order
