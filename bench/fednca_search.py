@@ -387,6 +387,18 @@ TRIALS = [
       for method in ("fednca", "centralized")],
     # More sequential steps between two averages instead: three local epochs a round (18 steps; measured 2.6x the CPU).
     ("fednca-e3-r60-fractal15", "fednca", {"num-server-rounds": 60, "local-epochs": 3, "fractal-pretrain-epochs": 15}),
+    # Or more progress per averaged round at the server: the averaged change scaled up (FedOpt's server lr), as a
+    # large batch takes a larger step.
+    *[(f"fednca-e1-r60-fractal15-slr{scale:g}", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                          "fractal-pretrain-epochs": 15, "bench.server-lr": scale})
+      for scale in (2.0, 4.0)],
+    # Large batches train as well as small ones at a proportionally larger learning rate (after a warm-up): the
+    # bound at batch 320 with sqrt(10) times the lr, and the federation's sites at that lr.
+    ("centralized-e1-r60-fractal15-batch320-lr0.01", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
+                                                                     "fractal-pretrain-epochs": 15, "batch-size": 320,
+                                                                     "fednca.lr": 0.01}),
+    ("fednca-e1-r60-fractal15-lr0.01", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                  "fractal-pretrain-epochs": 15, "fednca.lr": 0.01}),
     # The same from random weights (the default start), both sides.
     *[(f"{method}-e1-r60-batch8", method, {"num-server-rounds": 60, "local-epochs": 1, "batch-size": 8})
       for method in ("fednca", "centralized")],
