@@ -399,6 +399,11 @@ TRIALS = [
                                                                      "fednca.lr": 0.01}),
     ("fednca-e1-r60-fractal15-lr0.01", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                   "fractal-pretrain-epochs": 15, "fednca.lr": 0.01}),
+    # The bound's sequential steps without pooling an image, from the fractal start: passes of cyclic weight
+    # transfer (sites one after another, each site's labels skewed) for part of the 60, then the federation.
+    *[(f"fednca-e1-r60-fractal15-cyclic{passes}", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                            "fractal-pretrain-epochs": 15, "bench.cyclic-start": passes})
+      for passes in (12, 30)],
     # The same from random weights (the default start), both sides.
     *[(f"{method}-e1-r60-batch8", method, {"num-server-rounds": 60, "local-epochs": 1, "batch-size": 8})
       for method in ("fednca", "centralized")],
