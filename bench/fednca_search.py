@@ -404,6 +404,9 @@ TRIALS = [
     *[(f"fednca-e1-r60-fractal15-cyclic{passes}", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                             "fractal-pretrain-epochs": 15, "bench.cyclic-start": passes})
       for passes in (12, 30)],
+    # The bound at the federation's step count from random weights (the default start), on every dataset: does the
+    # averaging's large batch explain the gap at the defaults too?
+    ("centralized-e1-r60-batch320", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "batch-size": 320}),
     # The same from random weights (the default start), both sides.
     *[(f"{method}-e1-r60-batch8", method, {"num-server-rounds": 60, "local-epochs": 1, "batch-size": 8})
       for method in ("fednca", "centralized")],
