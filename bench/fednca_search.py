@@ -392,6 +392,13 @@ TRIALS = [
     *[(f"fednca-e1-r60-fractal15-slr{scale:g}", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
                                                           "fractal-pretrain-epochs": 15, "bench.server-lr": scale})
       for scale in (2.0, 4.0)],
+    # Server momentum (FedAvgM) from the same start: memory of the earlier rounds' changes, a longer step only along
+    # the directions they share; 0.9 with server lr 0.1 keeps the step's size and averages the directions.
+    ("fednca-e1-r60-fractal15-m0.5", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "fractal-pretrain-epochs": 15,
+                                               "bench.server-momentum": 0.5}),
+    ("fednca-e1-r60-fractal15-m0.9-slr0.1", "fednca", {"num-server-rounds": 60, "local-epochs": 1,
+                                                      "fractal-pretrain-epochs": 15, "bench.server-momentum": 0.9,
+                                                      "bench.server-lr": 0.1}),
     # Large batches train as well as small ones at a proportionally larger learning rate (after a warm-up): the
     # bound at batch 320 with sqrt(10) times the lr, and the federation's sites at that lr.
     ("centralized-e1-r60-fractal15-batch320-lr0.01", "centralized", {"num-server-rounds": 60, "local-epochs": 1,
