@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedskew.config import RunConfig
+from fedskew.config import ConfigError, RunConfig
 from fedskew.models.model_file import run_model_card
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
@@ -28,9 +30,20 @@ from fedskew.training import pick_device
 app = ServerApp()
 
 
+def parse_run_config(context: Context) -> RunConfig:
+    try:
+        return RunConfig.from_run_config(context.run_config)
+    except ConfigError:
+        # The message names the key, its value and what is valid. Flower logs the failed run's exception with its
+        # traceback, which would only point into the config's validation; Python prints no frame under this limit
+        # (the process ends with this run).
+        sys.tracebacklimit = 0
+        raise
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = RunConfig.from_run_config(context.run_config)
+    cfg = parse_run_config(context)
     device = pick_device(cfg.device)
     recorder = RunRecorder.create(cfg, multilabel=cfg.label_kind == "multi")
     print(f"fedskew: {cfg.method} on {cfg.dataset}, results in {recorder.path}", flush=True)
