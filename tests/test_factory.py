@@ -432,10 +432,14 @@ E2E = {
 # With val-fraction 0.02 and seed 1, one of the 3 sites holds no held-out image of a class it models,
 # so with the audit on (max-memorization > 0) it cannot check that generator and withholds it.
 REFUSAL = {"val-fraction": 0.02, "seed": 1, "factory.max-memorization": 0.5}
-# The factory run's generators train with DP-SGD; every one's epsilon is below the limit the server applies.
+# The factory run is also autoguided: every site trains a guide per generator it uploads (guides refuse
+# DP-SGD and factory-p2p, so the factory run carries them and the P2P run the DP).
+GUIDES = {"factory.guide-steps": 3}
+# The P2P run's generators train with DP-SGD; every one's epsilon is below the limit the server applies.
 DP_GENERATORS = {"factory.dp-noise-multiplier": 2.0, "factory.max-epsilon": 50.0}
 
 
+FACTORY = {**E2E, **REFUSAL, **GUIDES, "method": "factory"}
 # The P2P run also has the sites validate the server's classifier on their real validation images, and
 # match its synthetic images to the pixel histograms they upload.
 P2P = {"method": "factory-p2p", "factory.conditional": True, "factory.site-validation": True, "factory.calibration-rounds": 1,
@@ -463,7 +467,7 @@ def _tree_hashes(root):
 @pytest.fixture(scope="module")
 def factory_outcome(superlink, tmp_path_factory):
     results = tmp_path_factory.mktemp("factory-results")
-    config = {**E2E, **REFUSAL, **DP_GENERATORS, "method": "factory", "results-dir": str(results)}
+    config = {**FACTORY, "results-dir": str(results)}
     outcome = superlink.run_app(config, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
     return outcome, _only_run_dir(results)
@@ -488,7 +492,7 @@ def test_sites_progress_reaches_the_run_stream_while_generators_train(factory_ou
 @pytest.fixture(scope="module")
 def p2p_run(superlink, tmp_path_factory):
     results = tmp_path_factory.mktemp("p2p-results")
-    config = {**E2E, **P2P, "results-dir": str(results)}
+    config = {**E2E, **P2P, **DP_GENERATORS, "results-dir": str(results)}
     outcome = superlink.run_app(config, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
     return _only_run_dir(results)
@@ -524,19 +528,7 @@ def test_factory_run_writes_library_and_metrics_and_uploads_all_but_the_unaudita
     assert sorted((m["site-id"], c) for m in manifest["modules"] for c in m["classes"]) == sorted(uploaded)
     for module in manifest["modules"]:
         assert (factory_run / "library" / f"{module['module-id']}.safetensors").is_file()
-    # DP generators: each module's epsilon, in the manifest and the summary, is the one its class size and
-    # the run config give (fedskew.factory.dp_sgd, checked against dp-accounting in test_dp_generators)
-    cfg = RunConfig.from_run_config({**E2E, **REFUSAL, **DP_GENERATORS, "method": "factory"})
-    sites = {k: simulated_site(cfg, k, 3) for k in range(3)}
-    derived = {
-        p.module_id: p.privacy
-        for site in sites.values()
-        for p in planned_modules(cfg, site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
-    }
-    assert {m["module-id"]: m["privacy"] for m in manifest["modules"]} == {m["module-id"]: derived[m["module-id"]] for m in manifest["modules"]}
-    assert [m["privacy"]["epsilon"] for m in summary["factory"]["modules"]] == [m["privacy"]["epsilon"] for m in manifest["modules"]]
-    assert all(0 < m["privacy"]["epsilon"] <= 50 for m in manifest["modules"])
-    assert summary["privacy"]["epsilon"] == max(m["privacy"]["epsilon"] for m in manifest["modules"])
+    assert "privacy" not in summary and not any("privacy" in m for m in manifest["modules"])  # no DP-SGD here
     rounds = [json.loads(line) for line in (factory_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1]
     # accuracy is the test split's class shares weighting the per-class recalls (two computations agree)
@@ -575,6 +567,18 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     assert summary["final"] == summary["p2p"]["poe_test"]
     manifest = json.loads((p2p_run / "library" / "manifest.json").read_text())
     assert [m["module-id"] for m in manifest["modules"]] == ["site0", "site1", "site2"]  # conditional: one per site
+    # DP generators: each module's epsilon, in the manifest and the summary, is the one its site's image count and
+    # the run config give (fedskew.factory.dp_sgd, checked against dp-accounting in test_dp_generators)
+    cfg = RunConfig.from_run_config({**E2E, **P2P, **DP_GENERATORS})
+    derived = {
+        p.module_id: p.privacy
+        for site in (simulated_site(cfg, k, 3) for k in range(3))
+        for p in planned_modules(cfg, site.site_id, np.bincount(site.train_labels, minlength=10).tolist(), (1, 8, 8))
+    }  # fmt: skip
+    assert {m["module-id"]: m["privacy"] for m in manifest["modules"]} == {m["module-id"]: derived[m["module-id"]] for m in manifest["modules"]}
+    assert [m["privacy"]["epsilon"] for m in summary["factory"]["modules"]] == [m["privacy"]["epsilon"] for m in manifest["modules"]]
+    assert all(0 < m["privacy"]["epsilon"] <= 50 for m in manifest["modules"])
+    assert summary["privacy"]["epsilon"] == max(m["privacy"]["epsilon"] for m in manifest["modules"])
     # round 2 relays the whole library to each of the 3 sites
     library_bytes = sum(p.stat().st_size for p in (p2p_run / "library").glob("*.safetensors"))
     assert min(summary["bytes"]["sent_per_site"].values()) > 0.9 * library_bytes
@@ -582,7 +586,6 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     validation = summary["factory"]["site_validation"]
     assert set(validation["site_val_balanced_accuracy_by_epoch"]) == {"1", "2"}
     assert len(validation["site_val_balanced_accuracy_by_calibration_round"]) == 1 and len(validation["class_bias"]) == 10
-    cfg = RunConfig.from_run_config({**E2E, **P2P})
     assert validation["site_val_images"] == sum(len(simulated_site(cfg, k, 3).val_labels) for k in range(3))
     # Every site's histograms passed the server's check and the stored synthetic set is the matched one:
     # every pixel of a class lies in a histogram bin that holds real training pixels of that class (the
@@ -634,20 +637,9 @@ def test_unlearning_in_p2p_drops_the_expert_and_refuses_to_split_a_conditional_m
         unlearn(p2p_run, site=7, out=tmp_path / "none")
 
 
-GUIDED = {**E2E, "method": "factory", "factory.guide-steps": 3}
-
-
-@pytest.fixture(scope="module")
-def guided_run(superlink, tmp_path_factory):
-    results = tmp_path_factory.mktemp("guided-results")
-    outcome = superlink.run_app({**GUIDED, "results-dir": str(results)}, num_supernodes=3)
-    assert outcome.completed, outcome.output[-4000:]
-    return _only_run_dir(results)
-
-
-def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_guided_draw(guided_run, tmp_path):
-    cfg = RunConfig.from_run_config(GUIDED)
-    library, guides = read_library(guided_run / "library"), read_library(guided_run / "library" / "guides")
+def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_guided_draw(factory_run, tmp_path):
+    cfg = RunConfig.from_run_config(FACTORY)
+    library, guides = read_library(factory_run / "library"), read_library(factory_run / "library" / "guides")
     assert [m.module_id for m in library.modules] == [g.module_id for g in guides.modules]
     planned = {
         p.module_id: p.config
@@ -657,14 +649,14 @@ def test_an_autoguided_run_keeps_one_guide_per_generator_and_its_images_are_the_
     assert all(g.config == planned[g.module_id] for g in guides.modules)
     # The server's synthetic set is the library's draw guided at factory.guidance-weight (2): drawn again
     # here it is the same images, and unguided it is not.
-    stored, cpu = load_synthetic(guided_run / "synthetic.safetensors"), torch.device("cpu")
+    stored, cpu = load_synthetic(factory_run / "synthetic.safetensors"), torch.device("cpu")
     guided = class_balanced_set(library, cfg.factory, cfg.seed, cpu, guides, cfg.factory.guidance_weight)
     np.testing.assert_allclose(guided.images, stored.images, atol=1e-4)
     assert np.abs(class_balanced_set(library, cfg.factory, cfg.seed, cpu).images - stored.images).max() > 0.05
-    summary = json.loads((guided_run / "summary.json").read_text())
+    summary = json.loads((factory_run / "summary.json").read_text())
     assert all(m["guide_generator_seconds"] > 0 for m in summary["factory"]["site_metrics"])
     # Unlearning a site drops its guides with its generators.
-    target = unlearn(guided_run, site=library.modules[0].site_id, out=tmp_path / "forgot")
+    target = unlearn(factory_run, site=library.modules[0].site_id, out=tmp_path / "forgot")
     kept = [m.module_id for m in library.modules if m.site_id != library.modules[0].site_id]
     assert [g.module_id for g in read_library(target / "library" / "guides").modules] == kept
 
