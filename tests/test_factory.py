@@ -48,7 +48,7 @@ from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
 from fedskew.training import random_shift
-from fedskew.strategies.factory import decode_modules, encode_modules
+from fedskew.strategies.factory import decode_modules, encode_modules, releases_outside_the_guarantee
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum
 
@@ -385,6 +385,12 @@ def test_generator_config_keeps_attention_levels_and_scales_the_schedule():
         generator_config(factory, (1, 8, 6), 0, 40, 0)
 
 
+def test_a_plain_factory_run_releases_only_the_survey_and_the_audit_outside_the_generators_dp():
+    cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site"})
+    assert releases_outside_the_guarantee(cfg) == [
+        "the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
+
+
 def test_factory_methods_need_single_label_data():
     with pytest.raises(ValueError, match="single-label data"):
         RunConfig.from_run_config({"method": "factory", "mosaic-grid": 2})
@@ -579,6 +585,13 @@ def test_p2p_run_evaluates_the_product_of_experts_and_each_expert(p2p_run, tmp_p
     assert [m["privacy"]["epsilon"] for m in summary["factory"]["modules"]] == [m["privacy"]["epsilon"] for m in manifest["modules"]]
     assert all(0 < m["privacy"]["epsilon"] <= 50 for m in manifest["modules"])
     assert summary["privacy"]["epsilon"] == max(m["privacy"]["epsilon"] for m in manifest["modules"])
+    # ... and names what the run released outside it: the experts, site validation, histograms (all on in P2P)
+    assert summary["privacy"]["not_covered"] == [
+        "the survey's image counts per class", "each generator's memorization share (its manifest entry)",
+        "each site's expert classifier, trained on its real images without DP",
+        "each site's per-class sums of the server's classifier on its real validation images",
+        "each site's pixel histograms per class",
+    ]  # fmt: skip
     # round 2 relays the whole library to each of the 3 sites
     library_bytes = sum(p.stat().st_size for p in (p2p_run / "library").glob("*.safetensors"))
     assert min(summary["bytes"]["sent_per_site"].values()) > 0.9 * library_bytes

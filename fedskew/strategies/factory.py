@@ -503,9 +503,10 @@ def save_experts(experts: list[Expert], cfg: RunConfig, task: TaskLike, director
     )  # fmt: skip
 
 
-def generators_privacy(library: Library) -> dict:
+def generators_privacy(library: Library, cfg: RunConfig) -> dict:
     """The run's DP guarantee from its DP-SGD generators: each image is in exactly one generator, so
-    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image."""
+    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image. What
+    else the run released from the sites' real images is listed beside it: the guarantee does not cover it."""
     guarantees = [m.privacy for m in library.modules]
     return {
         "mode": "dp-sgd-generators",
@@ -514,7 +515,20 @@ def generators_privacy(library: Library) -> dict:
         "generators": len(guarantees),
         "accountant": guarantees[0]["accountant"],
         "unit": guarantees[0]["unit"],
+        "not_covered": releases_outside_the_guarantee(cfg),
     }
+
+
+def releases_outside_the_guarantee(cfg: RunConfig) -> list[str]:
+    """What a run of `cfg` sends from the sites' real images besides the DP generators."""
+    released = ["the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
+    if cfg.method == "factory-p2p":
+        released.append("each site's expert classifier, trained on its real images without DP")
+    if cfg.factory.site_validation:
+        released.append("each site's per-class sums of the server's classifier on its real validation images")
+    if cfg.factory.match_intensity:
+        released.append("each site's pixel histograms per class")
+    return released
 
 
 def run_factory(
@@ -547,7 +561,7 @@ def run_factory(
         missing_class_names=[task.class_names[c] for c in missing],
     )
     if any(m.privacy is not None for m in library.modules):
-        recorder.extra["privacy"] = generators_privacy(library)
+        recorder.extra["privacy"] = generators_privacy(library, cfg)
     if missing:
         print(f"classes without a generator (not learnable this run): {[task.class_names[c] for c in missing]}", flush=True)
     if not library.modules:
