@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, free_port, run_config_toml
+from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, finished_listing, free_port, run_config_toml
 
 LOOPBACK = "127.0.0.1"
 PROXY_TEMPLATE = APP_DIR / "docker" / "fleet-proxy.conf.template"
@@ -236,14 +236,9 @@ class SuperLink:
 
     def wait(self, run_id: int, timeout: float = 600) -> RunOutcome:
         """Poll `flwr ls` until the run finishes (or `timeout` s pass); the outcome carries its log."""
-        deadline = time.monotonic() + timeout
-        while True:
-            run = next((r for r in self.runs() if r["run-id"] == str(run_id)), None)  # listed as a string
-            if run and run["status"].startswith("finished") or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        listing = finished_listing(self.runs, run_id, timeout)
         log = self.flwr("log", str(run_id), self.connection, "--show")
-        return RunOutcome(run_id, run["status"] if run else "not-found", log.stdout + log.stderr, run or {})
+        return RunOutcome.of_listing(run_id, listing, log.stdout + log.stderr)
 
 
 class FleetProxy:

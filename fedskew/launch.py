@@ -110,6 +110,21 @@ class RunOutcome:
     def completed(self) -> bool:
         return self.status == "finished:completed"
 
+    @classmethod
+    def of_listing(cls, run_id: int, listing: dict, output: str) -> RunOutcome:
+        return cls(run_id, listing.get("status", "not-found"), output, listing)
+
+
+def finished_listing(runs: Callable[[], list[dict]], run_id: int, timeout: float) -> dict:
+    """Poll `runs` (a SuperLink's `flwr ls`) until run `run_id` is listed as finished or `timeout` s pass; its
+    listing then, or {} if it was never listed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = next((r for r in runs() if r["run-id"] == str(run_id)), {})  # listed as a string
+        if run.get("status", "").startswith("finished") or time.monotonic() > deadline:
+            return run
+        time.sleep(1)
+
 
 class SimulationSuperLink:
     """A `flower-superlink --simulation` on free loopback ports with its own FLWR_HOME. With `ray_address`
@@ -232,13 +247,8 @@ class SimulationSuperLink:
         if not started:
             return RunOutcome(None, "not-started", output)
         run_id = int(started.group(1))
-        deadline = time.monotonic() + 60
-        while True:  # the log stream can end a moment before the run's status is final
-            run = next((r for r in self.runs() if r["run-id"] == str(run_id)), None)  # listed as a string
-            if run and run["status"].startswith("finished") or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        return RunOutcome(run_id, run["status"] if run else "not-found", output, run or {})
+        # The log stream can end a moment before the run's status is final.
+        return RunOutcome.of_listing(run_id, finished_listing(self.runs, run_id, timeout=60), output)
 
 
 class RayCluster:
