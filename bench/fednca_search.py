@@ -421,6 +421,21 @@ TRIALS = [
     *[(f"{method}-e1-r60-fractal15-lr0.001", method, {"num-server-rounds": 60, "local-epochs": 1, "fednca.lr": 0.001,
                                                       "fractal-pretrain-epochs": 15})
       for method in ("fednca", "centralized")],
+    # The fractal-pretrained backbone trained at a tenth of the lr, or held fixed (scale 0), both sides: does a start
+    # that moves less need fewer of the bound's sequential steps?
+    *[(f"{method}-e1-r60-fractal15-backbone-lr{scale:g}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                                   "fractal-pretrain-epochs": 15,
+                                                                   "bench.backbone-lr-scale": scale})
+      for scale in (0.0, 0.1, 0.3) for method in ("fednca", "centralized")],
+    # From random weights, the backbone (what the federation is slow to learn) at three times the lr of the rest.
+    *[(f"{method}-e1-r60-backbone-lr{scale:g}", method, {"num-server-rounds": 60, "local-epochs": 1,
+                                                         "bench.backbone-lr-scale": scale})
+      for scale in (3.0,) for method in ("fednca", "centralized")],
+    # The averaged step generalises as a large batch does (the bound at batch 320 ends where the federation ends):
+    # sharpness-aware minimisation at the sites and in the bound alike, SAM's remedy for large batches and
+    # FedSAM's for federations.
+    *[(f"{method}-e1-r60-sam{rho:g}", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.sam-rho": rho})
+      for rho in (0.05,) for method in ("fednca", "centralized")],
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -612,6 +627,43 @@ def first_moment_bias_restarted(build):
         return optimizer, scheduler, loss_fn
 
     return build_with_restart
+
+
+def sharpness_aware(loss_fn, rho: float):
+    """`loss_fn` whose gradient is SAM's (Foret et al., ICLR 2021; FedSAM, Qu et al., ICML 2022): the batch's
+    gradient at the weights moved by rho along their normalised gradient, the ascent step, taken back before the
+    optimiser steps. Its value is the loss at the moved weights. Two passes over the batch instead of one; both
+    update the BatchNorm statistics, at the sites and in the bound alike."""
+
+    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.requires_grad]
+        gradients = torch.autograd.grad(loss_fn(model, x, y), params, allow_unused=True)
+        gradients = [torch.zeros_like(p) if g is None else g for p, g in zip(params, gradients)]
+        norm = torch.sqrt(sum((g * g).sum() for g in gradients)).clamp_min(1e-12)
+        weights = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, g in zip(params, gradients):
+                p.add_(g, alpha=rho / float(norm))
+        moved = loss_fn(model, x, y)
+        sharp = torch.autograd.grad(moved, params, allow_unused=True)
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)  # exactly the weights before the ascent: w + e - e need not be w in floating point
+        # The value of the moved loss with the moved gradient: train_local's backward() then leaves SAM's gradient.
+        surrogate = sum((p * g).sum() for p, g in zip(params, sharp) if g is not None)
+        return moved.detach() + surrogate - surrogate.detach()
+
+    return loss
+
+
+def sharpness_aware_optimisation(build, rho: float):
+    """`local_optimisation` with its loss made `sharpness_aware` (the sites and the bound of bench.sam-rho)."""
+
+    def build_with_sam(*args, **kwargs):
+        optimizer, scheduler, loss_fn = build(*args, **kwargs)
+        return optimizer, scheduler, sharpness_aware(loss_fn, rho)
+
+    return build_with_sam
 
 
 def gradient_moments(model: torch.nn.Module, params: list[torch.nn.Parameter], batches: Iterable, loss_fn,
@@ -1145,6 +1197,27 @@ def adamw_with_eps(build_optimizer, eps: float):
     return build
 
 
+def backbone_lr_scaled(build_optimizer, scale: float):
+    """FedNCA-ML's optimiser builder with the backbone's parameters at `scale` times the lr (0: held fixed,
+    AdamW's decoupled weight decay included, while its BatchNorm statistics still follow the data), the same
+    schedule."""
+
+    def build(model, **kwargs):
+        optimizer, scheduler = build_optimizer(model, **kwargs)
+        backbone = {id(p) for p in model.backbone.parameters()}
+        # From each group's base lr (its "initial_lr"): its "lr" already holds the schedule's first factor, which
+        # the new scheduler applies again.
+        groups = [{**group, "params": params, "lr": group["initial_lr"] * (scale if in_backbone else 1.0)}
+                  for group in optimizer.param_groups for in_backbone in (True, False)
+                  if (params := [p for p in group["params"] if (id(p) in backbone) == in_backbone])]
+        for group in groups:
+            del group["initial_lr"]
+        scaled = type(optimizer)(groups)
+        return scaled, torch.optim.lr_scheduler.LambdaLR(scaled, scheduler.lr_lambdas[0])
+
+    return build
+
+
 @contextlib.contextmanager
 def bench_options(options: dict):
     """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm,
@@ -1180,7 +1253,8 @@ def bench_options(options: dict):
     same with k passes of cyclic weight transfer over the sites (`SiteCycle`) instead of the bound's epochs;
     `bench.value-keyed-attention = t` has each class attend to the tokens that score as it, at temperature t
     (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
-    LADM (`normalised_token_forward`)."""
+    LADM (`normalised_token_forward`); `bench.backbone-lr-scale` trains the backbone at that multiple of the lr
+    (`backbone_lr_scaled`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
@@ -1188,7 +1262,8 @@ def bench_options(options: dict):
              "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
              "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
              "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start",
-             "bench.value-keyed-attention", "bench.token-norm", "bench.head-start-keeps"}
+             "bench.value-keyed-attention", "bench.token-norm", "bench.head-start-keeps", "bench.backbone-lr-scale",
+             "bench.sam-rho"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1220,6 +1295,11 @@ def bench_options(options: dict):
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
     original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
     original_local_optimisation = client_tasks.local_optimisation
+    if "bench.sam-rho" in options:
+        # The sites build their optimisation in client_tasks, the bound here: both take the sharpness-aware loss.
+        global local_optimisation
+        client_tasks.local_optimisation = local_optimisation = sharpness_aware_optimisation(
+            original_local_optimisation, options["bench.sam-rho"])
     if options.get("bench.average-optimizer-state") == "second-moment" and options.get("bench.first-moment-bias-restart"):
         client_tasks.local_optimisation = first_moment_bias_restarted(original_local_optimisation)
     if "bench.etf-scale" in options:
@@ -1238,6 +1318,8 @@ def bench_options(options: dict):
         client_tasks.fednca_optimizer = block_adamw_with_fednca_schedule
     if "bench.adam-eps" in options:
         client_tasks.fednca_optimizer = adamw_with_eps(original_optimizer, options["bench.adam-eps"])
+    if "bench.backbone-lr-scale" in options:
+        client_tasks.fednca_optimizer = backbone_lr_scaled(client_tasks.fednca_optimizer, options["bench.backbone-lr-scale"])
     if "bench.width" in options:
         backbones.SmallCNN = functools.partial(original_cnn, width=options["bench.width"])
     if "bench.train-images" in options:
@@ -1258,6 +1340,7 @@ def bench_options(options: dict):
         client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
         client_tasks.train_local, fednca_model.ETFClassifier = original_train_local, original_etf_classifier
         client_tasks.local_optimisation = original_local_optimisation
+        globals()["local_optimisation"] = original_local_optimisation
         clear_dataset_caches()
 
 
@@ -1286,9 +1369,11 @@ def cached_fractal_pretrain(cache_dir: Path) -> Callable:
             return saved["result"]
         result = fractal_module.fractal_pretrain(backbone, channels, side, epochs, seed, **kwargs)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
+        # One partial file per process: two trials pretraining the same start side by side must not write into
+        # one file; each replaces the cache whole or not at all, so a trial stopped mid-write leaves no half file.
+        partial = path.with_suffix(f".{os.getpid()}.partial")
         torch.save({"backbone": backbone.state_dict(), "rng_state": torch.get_rng_state(), "result": result}, partial)
-        partial.replace(path)  # whole or absent: a trial stopped mid-write leaves no half file to load
+        partial.replace(path)
         return result
 
     return pretrain

@@ -17,6 +17,7 @@ from bench.fednca_search import (
     FirstMomentBiasRestart,
     MimeLite,
     agreement_plot,
+    backbone_lr_scaled,
     curves_plot,
     bench_options,
     cached_fractal_pretrain,
@@ -34,6 +35,7 @@ from bench.fednca_search import (
     train_trial,
     recalibrated_batchnorm,
     run_trial,
+    sharpness_aware,
     SiteCycle,
     validation_threshold,
     value_keyed_forward,
@@ -125,6 +127,66 @@ def test_the_etf_scale_option_sets_the_learned_scales_start_only_inside_the_bloc
     with bench_options({"bench.etf-scale": 3.0}):
         assert fednca_model.ETFClassifier(torch.eye(3)).scale.item() == 3.0
     assert fednca_model.ETFClassifier(torch.eye(3)).scale.item() == 10.0
+
+
+class _BackboneAndHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def _squared_error(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def test_sam_gradient_is_the_gradient_at_the_ascended_weights_and_the_weights_come_back_exactly():
+    torch.manual_seed(0)
+    model, x, y, rho = _BackboneAndHead(), torch.randn(8, 4), torch.randn(8, 1), 0.1
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = sharpness_aware(_squared_error, rho)(model, x, y)
+    loss.backward()
+    sam_gradients = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), before))
+    # The reference, step by step: the gradient, the ascent of length rho along it, the gradient there.
+    gradients = torch.autograd.grad(_squared_error(model, x, y), list(model.parameters()))
+    norm = torch.sqrt(sum((g * g).sum() for g in gradients))
+    ascended = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, g in zip(ascended.parameters(), gradients):
+            p.add_(rho * g / norm)
+    moved = _squared_error(ascended, x, y)
+    moved.backward()
+    assert loss.item() == pytest.approx(moved.item(), rel=1e-6)
+    for got, want in zip(sam_gradients, (p.grad for p in ascended.parameters())):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_backbone_at_lr_scale_zero_stays_fixed_while_the_rest_follows_the_fednca_schedule():
+    torch.manual_seed(0)
+    model = _BackboneAndHead()
+    backbone_before, head_before = copy.deepcopy(model.backbone.state_dict()), model.head.weight.detach().clone()
+    schedule = dict(total_steps=10, lr=0.01, warmup_steps=2)
+    optimizer, scheduler = backbone_lr_scaled(fednca_model.fednca_optimizer, 0.0)(model, **schedule)
+    plain, plain_scheduler = fednca_model.fednca_optimizer(_BackboneAndHead(), **schedule)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        plain.step()
+        plain_scheduler.step()
+        # The backbone's groups at 0, the others at the schedule's lr of the same step.
+        backbone = {id(p) for p in model.backbone.parameters()}
+        for group in optimizer.param_groups:
+            in_backbone = {id(p) in backbone for p in group["params"]}
+            assert len(in_backbone) == 1
+            assert group["lr"] == (0.0 if in_backbone.pop() else plain.param_groups[0]["lr"])
+    assert all(torch.equal(v, backbone_before[k]) for k, v in model.backbone.state_dict().items())
+    assert not torch.equal(model.head.weight, head_before)
 
 
 def test_two_decay_shapes_at_once_are_refused_rather_than_one_silently_winning():
