@@ -65,6 +65,7 @@ from fedskew import client_tasks
 from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train_site
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
+from fedskew.drift import scaffold_correction, zeros_like_parameters
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.models import backbones, build as model_build
 from fedskew.models import fednca as fednca_model
@@ -436,6 +437,12 @@ TRIALS = [
     # FedSAM's for federations.
     *[(f"{method}-e1-r60-sam{rho:g}", method, {"num-server-rounds": 60, "local-epochs": 1, "bench.sam-rho": rho})
       for rho in (0.05,) for method in ("fednca", "centralized")],
+    # The sites' drift under the skew corrected (SCAFFOLD's control variates on AdamW's gradients): at the default
+    # budget, and with two local epochs a round, which add sequential steps between two averages but drift further
+    # (uncorrected, two epochs end below one).
+    *[(f"fednca-e{epochs}-r60-control-variates", "fednca", {"num-server-rounds": 60, "local-epochs": epochs,
+                                                           "bench.control-variates": True})
+      for epochs in (1, 2)],
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -564,6 +571,54 @@ class DictStore:
 
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors[name] = dict(tensors)
+
+
+class ControlVariates:
+    """SCAFFOLD's drift correction (Karimireddy et al., ICML 2020) for FedNCA-ML's AdamW sites
+    (bench.control-variates): before every AdamW step a site's gradient g becomes g - c_i + c, where c_i is the
+    mean of the site's own uncorrected gradients over its previous round's steps and c the sites' example-weighted
+    mean of theirs, so a site steps along an estimate of the pooled data's gradient rather than its own labels'.
+    SCAFFOLD's option II estimate (x - y_i) / (K lr) assumes K plain SGD steps; AdamW's steps are not lr * g, so
+    c_i is measured directly, the trajectory's mean gradient (option I's quantity, taken along the round's steps
+    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero)."""
+
+    STATE = "control-variate"
+
+    def __init__(self):
+        self.server: dict[str, torch.Tensor] | None = None
+        self.round_controls: list[dict[str, torch.Tensor]] = []
+
+    def drift_correction(self, cfg: RunConfig, model: torch.nn.Module, site_state, server_control, steps: int):
+        """client_tasks.drift_correction's contract: (gradient hook, finish, restored)."""
+        saved = site_state.get(self.STATE)
+        site_control = saved or zeros_like_parameters(model)
+        correct = scaffold_correction(model, site_control, self.server or zeros_like_parameters(model))
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        sums = {name: torch.zeros_like(p) for name, p in trainable}
+        taken = [0]
+
+        def before_step() -> None:
+            with torch.no_grad():
+                for name, p in trainable:
+                    if p.grad is not None:
+                        sums[name].add_(p.grad)
+            taken[0] += 1
+            correct()
+
+        def finish() -> dict[str, torch.Tensor]:
+            control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
+            site_state.put(self.STATE, control)
+            self.round_controls.append(control)
+            return {}
+
+        return before_step, finish, saved is not None
+
+    def server_update(self, examples: np.ndarray) -> None:
+        """c: the round's site controls, example-weighted as FedAvg weights the sites' models."""
+        weights = examples / examples.sum()
+        self.server = {name: sum(float(w) * control[name] for w, control in zip(weights, self.round_controls))
+                       for name in self.round_controls[0]}
+        self.round_controls = []
 
 
 def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False,
@@ -786,7 +841,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
                 first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
                 proximal_mu: float = 0.0, shared_state_from_round: int = 1, epoch_split: int = 1,
-                rounds: range | None = None, cyclic: bool = False) -> dict:
+                rounds: range | None = None, cyclic: bool = False,
+                control_variates: ControlVariates | None = None) -> dict:
     """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
     trace: `probe(model)` (a dict of measures, validation macro-AUC "val_auc" among them: each kept as
     "<measure>_by_round") and the training loss after every round (the bound's over its
@@ -806,7 +862,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
     `epoch_split` > 1 gives a site one of that many parts of an epoch each round (`epoch_part`); `rounds` (all
     of the run's by default) trains only those rounds (epochs of the bound), the schedule where the run has it
     at the first of them, from `model` as it is (`bench.start-from-bound-epoch`); `cyclic` (centralised only)
-    visits the sites' images one site after another instead of shuffled together (`SiteCycle`)."""
+    visits the sites' images one site after another instead of shuffled together (`SiteCycle`);
+    `control_variates` corrects the sites' gradients for their drift (`ControlVariates`)."""
     device = torch.device("cpu")
     rounds = rounds or range(1, cfg.num_server_rounds + 1)
     trace = {"val_auc_by_round": [], "train_loss_by_round": []}
@@ -848,12 +905,17 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         with contextlib.ExitStack() as patches:
             if mime is not None:
                 patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
+            if control_variates is not None:
+                patches.enter_context(mock.patch.object(client_tasks, "drift_correction",
+                                                        control_variates.drift_correction))
             updates = [
                 train_site(cfg, epoch_part(site, server_round, epoch_split, cfg.seed), state, server_round=server_round,
                            proximal_mu=mu, etf=etf_array, site_state=stores[k])
                 for k, site in enumerate(sites)
             ]
         averaged = federated_average(updates)
+        if control_variates is not None:
+            control_variates.server_update(np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64))
         for group, value in update_agreement(state, updates, parameter_names).items():
             trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
         if mime is not None:
@@ -1254,7 +1316,8 @@ def bench_options(options: dict):
     `bench.value-keyed-attention = t` has each class attend to the tokens that score as it, at temperature t
     (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
     LADM (`normalised_token_forward`); `bench.backbone-lr-scale` trains the backbone at that multiple of the lr
-    (`backbone_lr_scaled`)."""
+    (`backbone_lr_scaled`); `bench.sam-rho` makes every step sharpness-aware (`sharpness_aware`);
+    `bench.control-variates` corrects a FedNCA-ML site's gradients for its drift (`ControlVariates`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
@@ -1263,7 +1326,7 @@ def bench_options(options: dict):
              "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
              "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start",
              "bench.value-keyed-attention", "bench.token-norm", "bench.head-start-keeps", "bench.backbone-lr-scale",
-             "bench.sam-rho"}
+             "bench.sam-rho", "bench.control-variates"}
     if set(options) - valid:
         raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
     if options.get("bench.first-moment-bias-restart") and not (
@@ -1387,6 +1450,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                                                 or "bench.start-from-bound-epoch" not in options):
         raise ValueError("bench.head-start-keeps = 'backbone' hands over only the bound's backbone after its head start: "
                          f"give it with bench.start-from-bound-epoch; got {options['bench.head-start-keeps']!r}")
+    if options.get("bench.control-variates") and cfg.method != "fednca":
+        raise ValueError(f"bench.control-variates corrects FedNCA-ML's sites; method {cfg.method} does not take it")
     cyclic = "bench.cyclic-start" in options
     key = "bench.cyclic-start" if cyclic else "bench.start-from-bound-epoch"
     start = options.get(key, 0)
@@ -1428,7 +1493,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
-                        options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1))
+                        options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1),
+                        control_variates=ControlVariates() if options.get("bench.control-variates") else None)
     for curve in [name for name, values in trace.items() if name.endswith("_by_round") and isinstance(values, list)]:
         trace[curve] = head.get(curve, []) + trace[curve]
     return {**diagnose(model, sites, data, cfg), **trace}

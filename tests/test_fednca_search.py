@@ -14,6 +14,8 @@ import torch
 
 from bench.fednca_search import (
     BlockAdamW,
+    ControlVariates,
+    DictStore,
     FirstMomentBiasRestart,
     MimeLite,
     agreement_plot,
@@ -701,3 +703,36 @@ def test_every_trial_the_docs_name_exists():
              for trials in re.findall(r"bench\.fednca_search[^\n]*?--trials ([\w.,-]+)", page.read_text())
              for trial in trials.split(",")]
     assert named and [(page, trial) for page, trial in named if trial not in known] == []
+
+
+def test_control_variates_shift_each_gradient_by_the_mean_of_every_sites_last_round_less_the_sites_own():
+    model = torch.nn.Linear(2, 1, bias=False)
+    stores = [DictStore(), DictStore()]
+    variates = ControlVariates()
+
+    def round_of(site: int, gradients: list[list[float]]) -> tuple[list[torch.Tensor], bool]:
+        """The gradients AdamW would step with, given the raw ones the loss produced."""
+        before_step, finish, restored = variates.drift_correction(None, model, stores[site], None, len(gradients))
+        stepped = []
+        for gradient in gradients:
+            model.weight.grad = torch.tensor([gradient])
+            before_step()
+            stepped.append(model.weight.grad.clone())
+        assert finish() == {}  # nothing travels: the bench keeps the controls where the sites and server would
+        return stepped, restored
+
+    first, restored = round_of(0, [[1.0, 2.0], [3.0, -2.0]])
+    assert not restored and torch.equal(torch.stack(first), torch.tensor([[[1.0, 2.0]], [[3.0, -2.0]]]))  # round 1: none
+    round_of(1, [[-4.0, 8.0]])
+    variates.server_update(np.array([1.0, 3.0]))
+    own, pooled = torch.tensor([[2.0, 0.0]]), 0.25 * torch.tensor([[2.0, 0.0]]) + 0.75 * torch.tensor([[-4.0, 8.0]])
+    assert torch.allclose(variates.server["weight"], pooled)
+    second, restored = round_of(0, [[0.5, 0.5]])
+    assert restored and torch.allclose(second[0], torch.tensor([[0.5, 0.5]]) - own + pooled)
+    assert torch.equal(stores[0].get(ControlVariates.STATE)["weight"], torch.tensor([[0.5, 0.5]]))  # raw, not corrected
+
+
+def test_control_variates_are_refused_for_the_bound():
+    cfg = RunConfig.from_run_config({"method": "centralized"})
+    with pytest.raises(ValueError, match="bench.control-variates corrects FedNCA-ML's sites; method centralized"):
+        run_trial(cfg, 1.0, {"bench.control-variates": True})
