@@ -443,6 +443,10 @@ TRIALS = [
     *[(f"fednca-e{epochs}-r60-control-variates", "fednca", {"num-server-rounds": 60, "local-epochs": epochs,
                                                            "bench.control-variates": True})
       for epochs in (1, 2)],
+    # The same with each round's controls measured at its global weights (one extra pass a round), not a round old.
+    *[(f"fednca-e{epochs}-r60-fresh-control-variates", "fednca", {"num-server-rounds": 60, "local-epochs": epochs,
+                                                                 "bench.control-variates": "fresh"})
+      for epochs in (1, 2)],
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -580,13 +584,39 @@ class ControlVariates:
     mean of theirs, so a site steps along an estimate of the pooled data's gradient rather than its own labels'.
     SCAFFOLD's option II estimate (x - y_i) / (K lr) assumes K plain SGD steps; AdamW's steps are not lr * g, so
     c_i is measured directly, the trajectory's mean gradient (option I's quantity, taken along the round's steps
-    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero)."""
+    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero).
+    `fresh` (bench.control-variates = "fresh") measures them instead at the round's global weights before the
+    sites train (`refresh`: each site's mean gradient over one pass of its images, the exact correction SCAFFOLD's
+    estimates stand for, at the cost of that pass and a second message a round in a real federation)."""
 
     STATE = "control-variate"
 
-    def __init__(self):
+    def __init__(self, fresh: bool = False):
+        self.fresh = fresh
         self.server: dict[str, torch.Tensor] | None = None
         self.round_controls: list[dict[str, torch.Tensor]] = []
+
+    def refresh(self, cfg: RunConfig, sites: list[SiteData], state: dict[str, torch.Tensor], etf: np.ndarray | None,
+                stores: list, server_round: int) -> None:
+        """Every site's control, and c, from the sites' mean gradients at the global weights `state`."""
+        controls = []
+        for site, store in zip(sites, stores):
+            model = client_tasks._site_model(cfg, site, state, etf).train()
+            loader = make_loader(site.train_images, site.train_labels, cfg.batch_size, shuffle=False)
+            _, _, loss_fn = local_optimisation(cfg, model, len(loader), server_round, augment_seed=cfg.seed)
+            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            sums = {name: torch.zeros_like(p) for name, p in trainable}
+            for x, y in loader:
+                model.zero_grad(set_to_none=True)
+                loss_fn(model, x, y).backward()
+                for name, p in trainable:
+                    if p.grad is not None:
+                        sums[name].add_(p.grad)
+            control = {name: total / len(loader) for name, total in sums.items()}
+            store.put(self.STATE, control)
+            controls.append(control)
+        self.round_controls = controls
+        self.server_update(np.array([len(site.train_labels) for site in sites], dtype=np.float64))
 
     def drift_correction(self, cfg: RunConfig, model: torch.nn.Module, site_state, server_control, steps: int):
         """client_tasks.drift_correction's contract: (gradient hook, finish, restored)."""
@@ -606,9 +636,10 @@ class ControlVariates:
             correct()
 
         def finish() -> dict[str, torch.Tensor]:
-            control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
-            site_state.put(self.STATE, control)
-            self.round_controls.append(control)
+            if not self.fresh:  # fresh controls are measured anew before the next round
+                control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
+                site_state.put(self.STATE, control)
+                self.round_controls.append(control)
             return {}
 
         return before_step, finish, saved is not None
@@ -902,6 +933,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         betas = (betas[0] ** steps, betas[1] ** steps)
     mime = MimeLite(mime_lite, betas) if mime_lite else None
     for server_round in rounds:
+        if control_variates is not None and control_variates.fresh:
+            control_variates.refresh(cfg, sites, state, etf_array, stores, server_round)
         with contextlib.ExitStack() as patches:
             if mime is not None:
                 patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
@@ -914,7 +947,7 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                 for k, site in enumerate(sites)
             ]
         averaged = federated_average(updates)
-        if control_variates is not None:
+        if control_variates is not None and not control_variates.fresh:
             control_variates.server_update(np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64))
         for group, value in update_agreement(state, updates, parameter_names).items():
             trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
@@ -1317,7 +1350,8 @@ def bench_options(options: dict):
     (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
     LADM (`normalised_token_forward`); `bench.backbone-lr-scale` trains the backbone at that multiple of the lr
     (`backbone_lr_scaled`); `bench.sam-rho` makes every step sharpness-aware (`sharpness_aware`);
-    `bench.control-variates` corrects a FedNCA-ML site's gradients for its drift (`ControlVariates`)."""
+    `bench.control-variates` (true or "fresh") corrects a FedNCA-ML site's gradients for its drift
+    (`ControlVariates`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
              "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
@@ -1450,6 +1484,9 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                                                 or "bench.start-from-bound-epoch" not in options):
         raise ValueError("bench.head-start-keeps = 'backbone' hands over only the bound's backbone after its head start: "
                          f"give it with bench.start-from-bound-epoch; got {options['bench.head-start-keeps']!r}")
+    if options.get("bench.control-variates", True) not in (True, "fresh"):
+        raise ValueError(f"bench.control-variates is true (controls from the last round's steps) or 'fresh' (measured at "
+                         f"each round's global weights); got {options['bench.control-variates']!r}")
     if options.get("bench.control-variates") and cfg.method != "fednca":
         raise ValueError(f"bench.control-variates corrects FedNCA-ML's sites; method {cfg.method} does not take it")
     cyclic = "bench.cyclic-start" in options
@@ -1494,7 +1531,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
                         options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1),
-                        control_variates=ControlVariates() if options.get("bench.control-variates") else None)
+                        control_variates=(ControlVariates(fresh=options["bench.control-variates"] == "fresh")
+                                          if options.get("bench.control-variates") else None))
     for curve in [name for name, values in trace.items() if name.endswith("_by_round") and isinstance(values, list)]:
         trace[curve] = head.get(curve, []) + trace[curve]
     return {**diagnose(model, sites, data, cfg), **trace}
