@@ -446,7 +446,8 @@ TRIALS = [
     # The same with each round's controls measured at its global weights (one extra pass a round), not a round old.
     *[(f"fednca-e{epochs}-r60-fresh-control-variates", "fednca", {"num-server-rounds": 60, "local-epochs": epochs,
                                                                  "bench.control-variates": "fresh"})
-      for epochs in (1, 2)],
+      for epochs in (1, 2, 3)],
+    ("centralized-e3-r60", "centralized", {"num-server-rounds": 60, "local-epochs": 3}),
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
     ("centralized-e1-r60-cosine", "centralized", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
