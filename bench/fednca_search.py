@@ -65,8 +65,8 @@ from fedskew import client_tasks
 from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train_site
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
-from fedskew.drift import scaffold_correction, zeros_like_parameters
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
+from fedskew.drift import scaffold_correction, zeros_like_parameters
 from fedskew.models import backbones, build as model_build
 from fedskew.models import fednca as fednca_model
 from fedskew.models.build import build_model, server_etf, start_backbone
@@ -602,18 +602,12 @@ class ControlVariates:
         """Every site's control, and c, from the sites' mean gradients at the global weights `state`."""
         controls = []
         for site, store in zip(sites, stores):
-            model = client_tasks._site_model(cfg, site, state, etf).train()
+            model = client_tasks._site_model(cfg, site, state, etf)
             loader = make_loader(site.train_images, site.train_labels, cfg.batch_size, shuffle=False)
             _, _, loss_fn = local_optimisation(cfg, model, len(loader), server_round, augment_seed=cfg.seed)
-            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-            sums = {name: torch.zeros_like(p) for name, p in trainable}
-            for x, y in loader:
-                model.zero_grad(set_to_none=True)
-                loss_fn(model, x, y).backward()
-                for name, p in trainable:
-                    if p.grad is not None:
-                        sums[name].add_(p.grad)
-            control = {name: total / len(loader) for name, total in sums.items()}
+            names, params = zip(*[(name, p) for name, p in model.named_parameters() if p.requires_grad])
+            means, _, _ = gradient_moments(model, list(params), loader, loss_fn, torch.device("cpu"))
+            control = dict(zip(names, means))
             store.put(self.STATE, control)
             controls.append(control)
         self.round_controls = controls
