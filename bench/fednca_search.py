@@ -66,7 +66,7 @@ from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.drift import scaffold_correction, zeros_like_parameters
+from fedskew.drift import control_shifts, gradient_moments, scaffold_correction, zeros_like_parameters
 from fedskew.models import backbones, build as model_build
 from fedskew.models import fednca as fednca_model
 from fedskew.models.build import build_model, server_etf, start_backbone
@@ -445,8 +445,18 @@ TRIALS = [
       for epochs in (1, 2)],
     # The same with each round's controls measured at its global weights (one extra pass a round), not a round old.
     *[(f"fednca-e{epochs}-r60-fresh-control-variates", "fednca", {"num-server-rounds": 60, "local-epochs": epochs,
-                                                                 "bench.control-variates": "fresh"})
+                                                                 "fednca.control-variates": True})
       for epochs in (1, 2, 3)],
+    # Corrected sites drift less, so they may bear a larger step (or want a smaller one): the federation's lr around
+    # the default with fresh controls at two local epochs.
+    *[(f"fednca-e2-r60-fresh-control-variates-lr{lr:g}", "fednca", {"num-server-rounds": 60, "local-epochs": 2,
+                                                                    "fednca.control-variates": True, "fednca.lr": lr})
+      for lr in (0.002, 0.005)],
+    # The gap at the defaults is the sites' AdamW restarting every round, and sites that keep it fit their own
+    # labels; with the drift corrected they may keep it without that.
+    *[(f"fednca-e{epochs}-r60-fresh-control-variates-kept-adamw", "fednca", {
+        "num-server-rounds": 60, "local-epochs": epochs, "fednca.control-variates": True,
+        "fednca.keep-optimizer-state": True}) for epochs in (1, 2)],
     ("centralized-e3-r60", "centralized", {"num-server-rounds": 60, "local-epochs": 3}),
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
@@ -585,33 +595,14 @@ class ControlVariates:
     mean of theirs, so a site steps along an estimate of the pooled data's gradient rather than its own labels'.
     SCAFFOLD's option II estimate (x - y_i) / (K lr) assumes K plain SGD steps; AdamW's steps are not lr * g, so
     c_i is measured directly, the trajectory's mean gradient (option I's quantity, taken along the round's steps
-    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero).
-    `fresh` (bench.control-variates = "fresh") measures them instead at the round's global weights before the
-    sites train (`refresh`: each site's mean gradient over one pass of its images, the exact correction SCAFFOLD's
-    estimates stand for, at the cost of that pass and a second message a round in a real federation)."""
+    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero). The
+    controls measured at each round's global weights are the app's fednca.control-variates (`fresh_shifts`)."""
 
     STATE = "control-variate"
 
-    def __init__(self, fresh: bool = False):
-        self.fresh = fresh
+    def __init__(self):
         self.server: dict[str, torch.Tensor] | None = None
         self.round_controls: list[dict[str, torch.Tensor]] = []
-
-    def refresh(self, cfg: RunConfig, sites: list[SiteData], state: dict[str, torch.Tensor], etf: np.ndarray | None,
-                stores: list, server_round: int) -> None:
-        """Every site's control, and c, from the sites' mean gradients at the global weights `state`."""
-        controls = []
-        for site, store in zip(sites, stores):
-            model = client_tasks._site_model(cfg, site, state, etf)
-            loader = make_loader(site.train_images, site.train_labels, cfg.batch_size, shuffle=False)
-            _, _, loss_fn = local_optimisation(cfg, model, len(loader), server_round, augment_seed=cfg.seed)
-            names, params = zip(*[(name, p) for name, p in model.named_parameters() if p.requires_grad])
-            means, _, _ = gradient_moments(model, list(params), loader, loss_fn, torch.device("cpu"))
-            control = dict(zip(names, means))
-            store.put(self.STATE, control)
-            controls.append(control)
-        self.round_controls = controls
-        self.server_update(np.array([len(site.train_labels) for site in sites], dtype=np.float64))
 
     def drift_correction(self, cfg: RunConfig, model: torch.nn.Module, site_state, server_control, steps: int):
         """client_tasks.drift_correction's contract: (gradient hook, finish, restored)."""
@@ -631,20 +622,27 @@ class ControlVariates:
             correct()
 
         def finish() -> dict[str, torch.Tensor]:
-            if not self.fresh:  # fresh controls are measured anew before the next round
-                control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
-                site_state.put(self.STATE, control)
-                self.round_controls.append(control)
+            control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
+            site_state.put(self.STATE, control)
+            self.round_controls.append(control)
             return {}
 
         return before_step, finish, saved is not None
 
     def server_update(self, examples: np.ndarray) -> None:
         """c: the round's site controls, example-weighted as FedAvg weights the sites' models."""
-        weights = examples / examples.sum()
-        self.server = {name: sum(float(w) * control[name] for w, control in zip(weights, self.round_controls))
-                       for name in self.round_controls[0]}
+        self.server, _ = control_shifts(dict(enumerate(self.round_controls)), dict(enumerate(examples.tolist())))
         self.round_controls = []
+
+
+def fresh_shifts(cfg: RunConfig, sites: list[SiteData], state: dict[str, torch.Tensor], etf: np.ndarray | None,
+                 server_round: int) -> list[dict[str, torch.Tensor]]:
+    """Each site's correction c - c_i for fednca.control-variates, as the ServerApp computes it from the sites'
+    answers: c_i the site's mean gradient at the global weights `state`, c their example-weighted mean."""
+    answers = [client_tasks.site_mean_gradient(cfg, site, state, server_round=server_round, etf=etf) for site in sites]
+    _, shifts = control_shifts({k: gradient for k, (gradient, _) in enumerate(answers)},
+                               {k: metrics["num-examples"] for k, (_, metrics) in enumerate(answers)})
+    return [shifts[k] for k in range(len(sites))]
 
 
 def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False,
@@ -745,31 +743,6 @@ def sharpness_aware_optimisation(build, rho: float):
         return optimizer, scheduler, sharpness_aware(loss_fn, rho)
 
     return build_with_sam
-
-
-def gradient_moments(model: torch.nn.Module, params: list[torch.nn.Parameter], batches: Iterable, loss_fn,
-                     device: torch.device, limit: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """Mean gradient and mean squared gradient of each of `params` over `batches` (the first `limit` of them) at
-    the current weights, and the batch count; the weights, BatchNorm statistics and .grad fields are left as
-    they were."""
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    saved_grads = [p.grad for p in model.parameters()]
-    sums = [torch.zeros_like(p) for p in params]
-    squares = [torch.zeros_like(p) for p in params]
-    model.train()
-    count = 0
-    for x, y in itertools.islice(batches, limit):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, x.to(device), y.to(device)).backward()
-        for p, total, square in zip(params, sums, squares):
-            if p.grad is not None:
-                total.add_(p.grad)
-                square.add_(p.grad * p.grad)
-        count += 1
-    model.load_state_dict(buffers, strict=False)
-    for p, grad in zip(model.parameters(), saved_grads):
-        p.grad = grad
-    return [total / count for total in sums], [square / count for square in squares], count
 
 
 def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
@@ -928,8 +901,8 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
         betas = (betas[0] ** steps, betas[1] ** steps)
     mime = MimeLite(mime_lite, betas) if mime_lite else None
     for server_round in rounds:
-        if control_variates is not None and control_variates.fresh:
-            control_variates.refresh(cfg, sites, state, etf_array, stores, server_round)
+        shifts = (fresh_shifts(cfg, sites, state, etf_array, server_round) if cfg.fednca.control_variates
+                  else [None] * len(sites))
         with contextlib.ExitStack() as patches:
             if mime is not None:
                 patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
@@ -938,11 +911,11 @@ def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, e
                                                         control_variates.drift_correction))
             updates = [
                 train_site(cfg, epoch_part(site, server_round, epoch_split, cfg.seed), state, server_round=server_round,
-                           proximal_mu=mu, etf=etf_array, site_state=stores[k])
+                           proximal_mu=mu, etf=etf_array, site_state=stores[k], control_shift=shifts[k])
                 for k, site in enumerate(sites)
             ]
         averaged = federated_average(updates)
-        if control_variates is not None and not control_variates.fresh:
+        if control_variates is not None:
             control_variates.server_update(np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64))
         for group, value in update_agreement(state, updates, parameter_names).items():
             trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
@@ -1345,7 +1318,7 @@ def bench_options(options: dict):
     (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
     LADM (`normalised_token_forward`); `bench.backbone-lr-scale` trains the backbone at that multiple of the lr
     (`backbone_lr_scaled`); `bench.sam-rho` makes every step sharpness-aware (`sharpness_aware`);
-    `bench.control-variates` (true or "fresh") corrects a FedNCA-ML site's gradients for its drift
+    `bench.control-variates` corrects a FedNCA-ML site's gradients for its drift by last round's controls
     (`ControlVariates`)."""
     valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
              "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
@@ -1479,9 +1452,9 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                                                 or "bench.start-from-bound-epoch" not in options):
         raise ValueError("bench.head-start-keeps = 'backbone' hands over only the bound's backbone after its head start: "
                          f"give it with bench.start-from-bound-epoch; got {options['bench.head-start-keeps']!r}")
-    if options.get("bench.control-variates", True) not in (True, "fresh"):
-        raise ValueError(f"bench.control-variates is true (controls from the last round's steps) or 'fresh' (measured at "
-                         f"each round's global weights); got {options['bench.control-variates']!r}")
+    if options.get("bench.control-variates", True) is not True:
+        raise ValueError(f"bench.control-variates is true (controls from the last round's steps; those measured at each "
+                         f"round's global weights are fednca.control-variates); got {options['bench.control-variates']!r}")
     if options.get("bench.control-variates") and cfg.method != "fednca":
         raise ValueError(f"bench.control-variates corrects FedNCA-ML's sites; method {cfg.method} does not take it")
     cyclic = "bench.cyclic-start" in options
@@ -1526,8 +1499,7 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
                         options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
                         options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
                         options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1),
-                        control_variates=(ControlVariates(fresh=options["bench.control-variates"] == "fresh")
-                                          if options.get("bench.control-variates") else None))
+                        control_variates=ControlVariates() if options.get("bench.control-variates") else None)
     for curve in [name for name, values in trace.items() if name.endswith("_by_round") and isinstance(values, list)]:
         trace[curve] = head.get(curve, []) + trace[curve]
     return {**diagnose(model, sites, data, cfg), **trace}

@@ -7,7 +7,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
-from fedskew.client_tasks import evaluate_site, load_site, received_proximal_mu, site_survey, train_site
+from fedskew.client_tasks import (
+    evaluate_site, load_site, received_proximal_mu, site_mean_gradient, site_survey, train_site,
+)
 from fedskew.config import RunConfig
 from fedskew.factory.site import UploadRefusal
 from fedskew.privacy import privacy_mod
@@ -15,7 +17,7 @@ from fedskew.site_state import SiteState
 from fedskew.strategies.drift import SCAFFOLD_CONTROL_KEY
 from fedskew.strategies.factory import site_expert, site_upload
 from fedskew.strategies.factory_validation import site_scores
-from fedskew.strategies.fednca import ETF_KEY
+from fedskew.strategies.fednca import CONTROL_SHIFT_KEY, ETF_KEY
 from fedskew.training import pick_device
 
 app = ClientApp(mods=[privacy_mod])
@@ -28,11 +30,12 @@ def received_etf_array(msg: Message) -> np.ndarray | None:
     return msg.content[ETF_KEY].to_torch_state_dict()[ETF_KEY].numpy()
 
 
-def received_control(msg: Message) -> dict | None:
-    """SCAFFOLD's server control variate, sent as its own ArrayRecord with every training instruction."""
-    if SCAFFOLD_CONTROL_KEY not in msg.content.array_records:
+def received_arrays(msg: Message, key: str) -> dict | None:
+    """The tensors of the ArrayRecord `key` when the message carries one: SCAFFOLD's server control variate, or
+    FedNCA-ML's correction c - c_i (fednca.control-variates)."""
+    if key not in msg.content.array_records:
         return None
-    return msg.content[SCAFFOLD_CONTROL_KEY].to_torch_state_dict()
+    return msg.content[key].to_torch_state_dict()
 
 
 @app.query("site_survey")
@@ -55,9 +58,19 @@ def train(msg: Message, context: Context) -> Message:
         proximal_mu=received_proximal_mu(cfg, config),
         etf=received_etf_array(msg),
         site_state=SiteState(context),
-        server_control=received_control(msg),
+        server_control=received_arrays(msg, SCAFFOLD_CONTROL_KEY),
+        control_shift=received_arrays(msg, CONTROL_SHIFT_KEY),
     )
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query("fednca_gradient")
+def mean_gradient(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    site = load_site(cfg, context.node_config)
+    gradient, weights = site_mean_gradient(cfg, site, msg.content["arrays"].to_torch_state_dict(),
+                                           server_round=int(msg.content["config"]["server-round"]), etf=received_etf_array(msg))
+    return Message(RecordDict({"arrays": ArrayRecord(gradient), "metrics": MetricRecord(weights)}), reply_to=msg)
 
 
 @app.evaluate()

@@ -16,6 +16,8 @@ from fedskew.drift import (
     SCAFFOLD_DELTA_PREFIX,
     feddyn_correction,
     feddyn_site_update,
+    gradient_moments,
+    gradient_shift,
     scaffold_correction,
     scaffold_site_update,
     zeros_like_parameters,
@@ -182,6 +184,29 @@ def drift_correction(
     return hook, finish, saved is not None
 
 
+def site_mean_gradient(
+    cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], *, server_round: int, etf: np.ndarray | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The site's control variate for fednca.control-variates: its mean gradient of the training loss (augmented as
+    the round's training is) over one pass of its training images at the global weights `state`, one tensor per
+    trainable parameter, and the weights the server's mean uses. The weights and BatchNorm statistics are not
+    changed."""
+    if not (cfg.method == "fednca" and cfg.fednca.control_variates):
+        # A site sends more than its model update only when its own run config says so.
+        raise ValueError("the server asks for this site's mean gradient, but this site's run config has method "
+                         f"{cfg.method!r} with fednca.control-variates off: check that the server and this site run "
+                         "the same run config")
+    device = pick_device(cfg.device)
+    model = _site_model(cfg, site, state, etf).to(device)
+    round_seed = cfg.seed + 1000 * server_round + site.site_id
+    loader = make_loader(site.train_images, site.train_labels, cfg.batch_size, shuffle=False)
+    _, _, loss_fn = local_optimisation(cfg, model, len(loader), server_round, augment_seed=round_seed)
+    names, params = zip(*[(name, p) for name, p in model.named_parameters() if p.requires_grad])
+    means, _, _ = gradient_moments(model, list(params), loader, loss_fn, device)
+    return ({name: mean.cpu() for name, mean in zip(names, means)},
+            {"num-examples": len(site.train_labels), UNIT_WEIGHT_KEY: 1})
+
+
 def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
     """FedProx's mu, which Flower's FedProx sends with every training message; other methods train without
     a proximal term. A fedprox message without it is an error, never a silent mu of 0."""
@@ -225,12 +250,14 @@ def train_site(
     etf: np.ndarray | None = None,
     site_state: TensorStore | None = None,
     server_control: dict[str, torch.Tensor] | None = None,
+    control_shift: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """One round of local training from the global weights; returns new weights and metrics.
     SCAFFOLD and FedDyn read and update their site state in `site_state`; SCAFFOLD also needs the
     server's control variate, and its reply carries delta_c next to the weights. With
     fednca.keep-optimizer-state the site's AdamW state continues from its previous round (kept in
-    `site_state`, never sent)."""
+    `site_state`, never sent). With fednca.control-variates the server sends `control_shift` (c - c_i),
+    added to every local gradient."""
     device = pick_device(cfg.device)
     model = _site_model(cfg, site, state, etf).to(device)
     round_seed = cfg.seed + 1000 * server_round + site.site_id
@@ -238,6 +265,12 @@ def train_site(
     steps = cfg.local_epochs * math.ceil(len(site.train_labels) / cfg.batch_size)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round, augment_seed=round_seed)
     before_step, finish, restored = drift_correction(cfg, model, site_state, server_control, steps)
+    if control_shift is not None:
+        if not (cfg.method == "fednca" and cfg.fednca.control_variates):
+            raise ValueError("the server's training message carries a gradient correction, but this site's run config "
+                             f"has method {cfg.method!r} with fednca.control-variates off: check that the server and "
+                             "this site run the same run config")
+        before_step = gradient_shift(model, control_shift, "the server's gradient correction (c - c_i)")
     keep_optimizer = cfg.method == "fednca" and cfg.fednca.keep_optimizer_state
     if keep_optimizer:
         if site_state is None:
@@ -266,6 +299,9 @@ def train_site(
     if cfg.method in PLAIN_SGD_METHODS:
         # Averaged by the server: the share of sites that found their state from the previous round.
         metrics["site-state-restored"] = float(restored)
+    if cfg.method == "fednca" and cfg.fednca.control_variates:
+        # Averaged by the server: the share of sites whose steps were corrected this round.
+        metrics["gradient-corrected"] = float(control_shift is not None)
     if cfg.method == "fedprox":
         metrics["proximal-mu"] = proximal_mu  # the mu this site trained with, recorded by the server
     if etf is not None:

@@ -94,6 +94,12 @@ class FedNCASection(_Section):
         False, description="Each site keeps its AdamW moments from round to round (in its node state, never sent) "
         "instead of restarting them every round."
     )
+    control_variates: bool = Field(
+        False, description="Correct every local gradient for the site's label skew: before a round's training each "
+        "site sends its mean gradient at the global weights (one more pass over its training images and one more "
+        "exchange a round), and steps along g - c_i + c, c the sites' weighted mean (FedSVRG / FedLin; SCAFFOLD's "
+        "control variates measured, not estimated). Not with dp.mode other than off."
+    )
 
 
 # factory.samples-per-class = 0: the server's synthetic images per class by image side.
@@ -572,6 +578,10 @@ class RunConfig(_Section):
 def _check_dp(cfg: RunConfig) -> None:
     if cfg.dp.mode == "off":
         return
+    if cfg.method == "fednca" and cfg.fednca.control_variates:
+        # The mean gradients go to the server outside Flower's DP wrappers, which clip and noise the model update only.
+        raise _field_error("fednca.control-variates", True, f"false with dp.mode = {cfg.dp.mode!r} (each site's mean "
+                           "gradient would reach the server unclipped and without noise)")
     if cfg.method not in ("fedavg", "fedprox", "fednca"):
         raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (dp.* covers fedavg, fedprox, fednca; factory's generators take factory.dp-noise-multiplier)")
     if cfg.dp.mode != "local" and cfg.aggregation != "unweighted":

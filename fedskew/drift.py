@@ -14,6 +14,12 @@ gradient g becomes g - c_i + c; afterwards c_i+ = c_i - c + (x - y) / (K lr), an
 delta_c = c_i+ - c_i. The server adds participation * average(delta_c) to c, participation =
 |replying sites| / |all sites|, and its new model is the average of the y.
 
+Fresh control variates (FedSVRG, Konecny et al. 2016; FedLin, Mitra et al., NeurIPS 2021): SCAFFOLD's
+correction with c_i measured, not estimated. Before a round's training every site sends its mean gradient
+c_i over one pass of its training images at the global weights x; c is their weighted mean, and each site
+trains with g - c_i + c, the server sending it the shift c - c_i. The measurement holds for any local
+optimiser (FedNCA-ML's sites use AdamW), which SCAFFOLD's (x - y) / (K lr) does not.
+
 FedDyn: the site keeps h_i (zeros at first), the gradient of its linear penalty, and minimises
 L_i(theta) - <h_i, theta> + alpha/2 ||theta - x||^2, i.e. every local gradient g becomes
 g - h_i + alpha (theta - x); afterwards h_i+ = h_i - alpha (y - x). The server keeps h:
@@ -22,7 +28,8 @@ h+ = h - alpha * participation * (average(y) - x), and its new model is average(
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -59,13 +66,63 @@ def gradient_correction(model: nn.Module, offset: Callable[[str, torch.Tensor], 
     return apply
 
 
+def gradient_shift(model: nn.Module, shift: Tensors, what: str) -> Callable[[], None]:
+    """A gradient hook g -> g + shift; `shift` must hold one finite tensor of each trainable parameter's shape
+    (`what` names it in the error)."""
+    _require_same_keys(what, shift, model)
+    for name, param in model.named_parameters():
+        if name in shift and (shift[name].shape != param.shape or not torch.isfinite(shift[name]).all()):
+            raise ValueError(f"{what}: '{name}' has shape {tuple(shift[name].shape)}"
+                             f"{'' if shift[name].shape != param.shape else ' and NaN or infinite values'}; "
+                             f"valid: finite values of the parameter's shape {tuple(param.shape)}")
+    device = next(model.parameters()).device
+    moved = {name: value.to(device, torch.float32) for name, value in shift.items()}
+    return gradient_correction(model, lambda name, _param: moved[name])
+
+
 def scaffold_correction(model: nn.Module, site_control: Tensors, server_control: Tensors) -> Callable[[], None]:
     """SCAFFOLD's local gradient g -> g - c_i + c."""
     _require_same_keys("the site's SCAFFOLD control variate", site_control, model)
     _require_same_keys("the server's SCAFFOLD control variate", server_control, model)
-    device = next(model.parameters()).device
-    shift = {name: (server_control[name] - site_control[name]).to(device) for name in site_control}
-    return gradient_correction(model, lambda name, _param: shift[name])
+    return gradient_shift(model, {name: server_control[name] - site_control[name] for name in site_control},
+                          "SCAFFOLD's correction")
+
+
+def gradient_moments(model: nn.Module, params: list[nn.Parameter], batches: Iterable, loss_fn,
+                     device: torch.device, limit: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Mean gradient and mean squared gradient of each of `params` over `batches` (the first `limit` of them) at
+    the current weights, in training mode, and the batch count; the weights, BatchNorm statistics and .grad
+    fields are left as they were."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    saved_grads = [p.grad for p in model.parameters()]
+    sums = [torch.zeros_like(p) for p in params]
+    squares = [torch.zeros_like(p) for p in params]
+    model.train()
+    count = 0
+    for x, y in itertools.islice(batches, limit):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, x.to(device), y.to(device)).backward()
+        for p, total, square in zip(params, sums, squares):
+            if p.grad is not None:
+                total.add_(p.grad)
+                square.add_(p.grad * p.grad)
+        count += 1
+    if count == 0:
+        raise ValueError("no batch to take a gradient on (the site holds no training images)")
+    model.load_state_dict(buffers, strict=False)
+    for p, grad in zip(model.parameters(), saved_grads):
+        p.grad = grad
+    return [total / count for total in sums], [square / count for square in squares], count
+
+
+def control_shifts(site_controls: Mapping[object, Tensors], weights: Mapping[object, float]) -> tuple[Tensors, dict[object, Tensors]]:
+    """(c, each site's shift c - c_i): c is the `weights`-weighted mean of the sites' controls c_i."""
+    total = sum(weights[site] for site in site_controls)
+    if not site_controls or total <= 0:
+        raise ValueError("control variates need at least one site's control with a positive weight")
+    first = next(iter(site_controls.values()))
+    c = {name: sum(weights[site] / total * controls[name] for site, controls in site_controls.items()) for name in first}
+    return c, {site: {name: c[name] - controls[name] for name in c} for site, controls in site_controls.items()}
 
 
 def scaffold_site_update(site_control: Tensors, server_control: Tensors, x: Tensors, y: Tensors,

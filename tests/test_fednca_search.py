@@ -28,6 +28,7 @@ from bench.fednca_search import (
     loss_terms,
     normalised_token_forward,
     federated_average,
+    fresh_shifts,
     hold_then_decay,
     momentum_step,
     optimizer_restarts,
@@ -738,19 +739,18 @@ def test_control_variates_are_refused_for_the_bound():
         run_trial(cfg, 1.0, {"bench.control-variates": True})
 
 
-def test_fresh_control_variates_are_each_sites_gradient_at_the_global_weights_and_their_weighted_mean():
+def test_fresh_shifts_are_the_sites_weighted_mean_gradient_less_each_sites_own():
     from fedskew.client_tasks import local_optimisation
     from fedskew.data.sites import load_task_dataset, simulated_site
     from fedskew.models.build import build_model, server_etf
 
     # One batch holds a site's every image, so its control is the gradient of its loss at the global weights.
-    cfg = RunConfig.from_run_config({"method": "fednca", "batch-size": 4096})
+    cfg = RunConfig.from_run_config({"method": "fednca", "batch-size": 4096, "fednca.control-variates": True})
     data = load_task_dataset(cfg)
     sites = [simulated_site(cfg, k, 10) for k in (0, 1)]
     etf = server_etf(cfg, data.num_classes, data.image_shape)
     model = build_model(cfg, data.num_classes, data.image_shape, etf=etf)
-    stores, variates = [DictStore(), DictStore()], ControlVariates(fresh=True)
-    variates.refresh(cfg, sites, model.state_dict(), etf.numpy(), stores, server_round=1)
+    shifts = fresh_shifts(cfg, sites, model.state_dict(), etf.numpy(), server_round=1)
     gradients = []
     for site in sites:
         model.zero_grad(set_to_none=True)
@@ -759,11 +759,6 @@ def test_fresh_control_variates_are_each_sites_gradient_at_the_global_weights_an
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad})
     counts = np.array([len(site.train_labels) for site in sites], dtype=np.float64)
     for name in gradients[0]:
-        for store, gradient in zip(stores, gradients):
-            assert torch.allclose(store.get(ControlVariates.STATE)[name], gradient[name], atol=1e-5), name
         pooled = (counts[0] * gradients[0][name] + counts[1] * gradients[1][name]) / counts.sum()
-        assert torch.allclose(variates.server[name], pooled, atol=1e-5), name
-    measured = stores[0].get(ControlVariates.STATE)
-    _, finish, restored = variates.drift_correction(cfg, model, stores[0], None, 1)
-    finish()  # the sites' own steps leave fresh controls alone: the next round measures them again
-    assert restored and stores[0].get(ControlVariates.STATE) is measured and variates.round_controls == []
+        for shift, gradient in zip(shifts, gradients):
+            assert torch.allclose(shift[name], pooled - gradient[name], atol=1e-5), name

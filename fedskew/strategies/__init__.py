@@ -52,7 +52,7 @@ def weight_key(cfg: RunConfig) -> str:
 
 def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.Tensor | None = None) -> FedAvg:
     """The strategy for `cfg.method`; every site trains and validates each round. `model` gives
-    SCAFFOLD and FedDyn the shapes of the parameters their server state covers."""
+    SCAFFOLD, FedDyn and FedNCA-ML's control variates the shapes of the parameters they cover."""
     common = dict(
         fraction_train=1.0,
         # Sites validate the global model on their local split; with no split there is nothing to do.
@@ -67,7 +67,9 @@ def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.
     if cfg.method == "fedprox":
         return RecordedFedProx(proximal_mu=cfg.proximal_mu, **common)
     if cfg.method == "fednca":
-        return FedNCA(etf, **common)
+        trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+        return FedNCA(etf, control_layout=trainable if cfg.fednca.control_variates else None, timeout=cfg.round_timeout,
+                      **common)
     if cfg.method in SERVER_OPTIMISERS:
         # Reddi et al.'s adaptive server optimisers; Flower's momentum and tau defaults are theirs.
         return SERVER_OPTIMISERS[cfg.method](eta=cfg.server_lr, eta_l=cfg.lr, **common)

@@ -1,6 +1,8 @@
 """FedNCA-ML's strategy: FedAvg plus a server-held simplex ETF that rides along in every
 training and evaluation message as its own ArrayRecord. The ETF is never aggregated (clients
-keep it in non-persistent buffers, so it is not in their replies) and never changes."""
+keep it in non-persistent buffers, so it is not in their replies) and never changes. With
+fednca.control-variates each round starts with a query for the sites' mean gradients at the
+global weights, and each site's training message carries its correction c - c_i (fedskew.drift)."""
 
 from __future__ import annotations
 
@@ -12,21 +14,30 @@ from pathlib import Path
 
 import torch
 from flwr.common.logger import log
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedskew.drift import control_shifts
 from fedskew.models.fednca import etf_fingerprint
 from fedskew.results import RunRecorder
-from fedskew.strategies.recording import RecordingMixin
+from fedskew.strategies.recording import Layout, RecordingMixin, update_problem
 
 ETF_KEY = "etf"
+CONTROL_SHIFT_KEY = "control-shift"  # a site's c - c_i, sent with its training message
+GRADIENT_QUERY = "query.fednca_gradient"
 
 
 class FedNCA(RecordingMixin, FedAvg):
-    def __init__(self, etf: torch.Tensor, **fedavg_kwargs):
+    def __init__(self, etf: torch.Tensor, control_layout: Layout | None = None, timeout: float | None = None,
+                 **fedavg_kwargs):
+        """`control_layout` (the trainable parameters' names and shapes) turns on fednca.control-variates; `timeout`
+        bounds the wait for the sites' gradients, as Flower's own timeout bounds the round's other exchanges."""
         super().__init__(**fedavg_kwargs)
         self.etf_record = ArrayRecord({ETF_KEY: etf.detach().cpu().contiguous()})
         self.etf_crc32 = etf_fingerprint(etf)
+        self.control_layout = control_layout
+        self.timeout = timeout
 
     def attach(self, recorder: RunRecorder, **options) -> None:
         super().attach(recorder, **options)
@@ -58,4 +69,32 @@ class FedNCA(RecordingMixin, FedAvg):
                 dst_node_id=msg.metadata.dst_node_id,
             )
             for msg in messages
+        ]
+
+    def prepare_train(self, server_round: int, arrays: ArrayRecord, grid: Grid, messages: list[Message]) -> list[Message]:
+        """With control variates: ask the sites to train for their mean gradients at `arrays`, and send each site
+        that answered usably its correction c - c_i. A site whose answer is missing or unusable (`update_problem`:
+        wrong arrays, NaN, a bad weight) is recorded as dropped with the reason and sits the round out, so every
+        site that trains is corrected against the same c."""
+        if self.control_layout is None:
+            return messages
+        trainees = [msg for msg in messages if msg.metadata.message_type == MessageType.TRAIN]
+        queries = self._count_out(self.extend_messages([
+            Message(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": server_round})}),
+                    message_type=GRADIENT_QUERY, dst_node_id=msg.metadata.dst_node_id)
+            for msg in trainees
+        ]))
+        answers = self._screened(server_round, self._count_in(server_round, grid.send_and_receive(queries, timeout=self.timeout)),
+                                 "mean gradient", lambda content: update_problem(content, self.control_layout, self.weighted_by_key))
+        answered = {int(self._site_of(m)): m.content for m in answers if not m.has_error()}
+        if not answered:
+            return []
+        _, shifts = control_shifts({node: content["arrays"].to_torch_state_dict() for node, content in answered.items()},
+                                   {node: float(content["metrics"][self.weighted_by_key]) for node, content in answered.items()})
+        self.recorder.extra.setdefault("control_variates", []).append(
+            {"round": server_round, "sites_asked": len(queries), "sites_corrected": len(answered)})
+        return [
+            Message(RecordDict({**dict(msg.content.items()), CONTROL_SHIFT_KEY: ArrayRecord(shifts[msg.metadata.dst_node_id])}),
+                    message_type=msg.metadata.message_type, dst_node_id=msg.metadata.dst_node_id)
+            for msg in trainees if msg.metadata.dst_node_id in shifts
         ]

@@ -160,9 +160,16 @@ class RecordingMixin:
         """Hook for strategies that send more than the base strategy (counted as sent)."""
         return messages
 
+    def prepare_train(self, server_round: int, arrays: ArrayRecord, grid: Grid, messages: list[Message]) -> list[Message]:
+        """Hook for strategies that exchange more with the sites before they train (FedNCA-ML's control
+        variates); the training messages to send."""
+        return messages
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.sent_layout = arrays_layout(arrays)
-        return self._count_out(self.extend_messages(super().configure_train(server_round + self.round_offset, arrays, config, grid)))
+        server_round += self.round_offset
+        messages = self.extend_messages(super().configure_train(server_round, arrays, config, grid))
+        return self._count_out(self.prepare_train(server_round, arrays, grid, list(messages)))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self._count_out(self.extend_messages(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)))
