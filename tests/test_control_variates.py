@@ -93,7 +93,8 @@ def test_control_variates_are_refused_beside_differential_privacy():
 
 
 class GradientSites(SitesOnline):
-    """Sites 1-3 online; each answers the gradient query with `answers[node]` (a RecordDict or an Error)."""
+    """Sites 1-3 online; each answers the gradient query with `answers[node]` (a RecordDict or an Error; None:
+    no answer before the timeout)."""
 
     def __init__(self, answers):
         super().__init__(len(answers))
@@ -102,7 +103,8 @@ class GradientSites(SitesOnline):
 
     def send_and_receive(self, messages, timeout=None):
         self.queries = list(messages)
-        return [Message(self.answers[m.metadata.dst_node_id], reply_to=m) for m in messages]
+        return [Message(self.answers[m.metadata.dst_node_id], reply_to=m) for m in messages
+                if self.answers[m.metadata.dst_node_id] is not None]
 
 
 def gradient_answer(value: float, examples: int) -> RecordDict:
@@ -133,6 +135,9 @@ def test_the_strategy_sends_each_answering_site_its_correction_and_leaves_out_a_
     assert recorder.extra["control_variates"] == [{"round": 1, "sites_asked": 3, "sites_corrected": 2}]
 
     # No site answers: no site trains this round (the model stays as it was), each recorded with the reason.
-    offline = GradientSites({n: Error(code=0, reason="site went offline") for n in (1, 2, 3)})
+    offline = GradientSites({1: Error(code=0, reason="site went offline"), 2: Error(code=0, reason="site went offline"),
+                             3: None})
     assert strategy.configure_train(2, sent, ConfigRecord(), offline) == []
-    assert [(d["round"], d["reason"]) for d in recorder.dropped[1:]] == [(2, "site went offline")] * 3
+    assert [(d["round"], d["reason"]) for d in recorder.dropped[1:]] == [(2, "site went offline")] * 2 + [
+        (2, "site 3: round 2 mean gradient missing: no answer within the round timeout (5 s)")]
+    assert recorder.extra["control_variates"][1] == {"round": 2, "sites_asked": 3, "sites_corrected": 0}

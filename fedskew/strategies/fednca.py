@@ -72,7 +72,7 @@ class FedNCA(RecordingMixin, FedAvg):
         ]
 
     def prepare_train(self, server_round: int, arrays: ArrayRecord, grid: Grid, messages: list[Message]) -> list[Message]:
-        """With control variates: ask the sites to train for their mean gradients at `arrays`, and send each site
+        """With control variates: ask the sites about to train for their mean gradients at `arrays`, and send each site
         that answered usably its correction c - c_i. A site whose answer is missing or unusable (`update_problem`:
         wrong arrays, NaN, a bad weight) is recorded as dropped with the reason and sits the round out, so every
         site that trains is corrected against the same c."""
@@ -84,15 +84,19 @@ class FedNCA(RecordingMixin, FedAvg):
                     message_type=GRADIENT_QUERY, dst_node_id=msg.metadata.dst_node_id)
             for msg in trainees
         ]))
-        answers = self._screened(server_round, self._count_in(server_round, grid.send_and_receive(queries, timeout=self.timeout)),
-                                 "mean gradient", lambda content: update_problem(content, self.control_layout, self.weighted_by_key))
+        replies = self._count_in(server_round, grid.send_and_receive(queries, timeout=self.timeout))
+        for node in sorted({q.metadata.dst_node_id for q in queries} - {int(self._site_of(m)) for m in replies}):
+            self._refuse(server_round, str(node), f"site {node}: round {server_round} mean gradient missing: no answer "
+                                                  f"within the round timeout ({self.timeout} s)")
+        answers = self._screened(server_round, replies, "mean gradient",
+                                 lambda content: update_problem(content, self.control_layout, self.weighted_by_key))
         answered = {int(self._site_of(m)): m.content for m in answers if not m.has_error()}
+        self.recorder.extra.setdefault("control_variates", []).append(
+            {"round": server_round, "sites_asked": len(queries), "sites_corrected": len(answered)})
         if not answered:
             return []
         _, shifts = control_shifts({node: content["arrays"].to_torch_state_dict() for node, content in answered.items()},
                                    {node: float(content["metrics"][self.weighted_by_key]) for node, content in answered.items()})
-        self.recorder.extra.setdefault("control_variates", []).append(
-            {"round": server_round, "sites_asked": len(queries), "sites_corrected": len(answered)})
         return [
             Message(RecordDict({**dict(msg.content.items()), CONTROL_SHIFT_KEY: ArrayRecord(shifts[msg.metadata.dst_node_id])}),
                     message_type=msg.metadata.message_type, dst_node_id=msg.metadata.dst_node_id)
