@@ -461,6 +461,9 @@ TRIALS = [
     ("fednca-e2-r100-fresh-control-variates", "fednca", {"num-server-rounds": 100, "local-epochs": 2,
                                                          "fednca.control-variates": True}),
     ("centralized-e2-r100", "centralized", {"num-server-rounds": 100, "local-epochs": 2}),
+    # The baselines at the corrected federation's 60 x 2, each at the lr its 60 x 1 search chose (SGD 0.1).
+    *[(f"{method}-e2-r60-lr0.1", method, {"num-server-rounds": 60, "local-epochs": 2, "lr": 0.1})
+      for method in ("fedavg", "fedprox")],
     ("centralized-e3-r60", "centralized", {"num-server-rounds": 60, "local-epochs": 3}),
     # The schedule's shape on the current backbone and budget, both sides alike.
     ("fednca-e1-r60-cosine", "fednca", {"num-server-rounds": 60, "local-epochs": 1, "bench.cosine-decay": True}),
