@@ -2,6 +2,8 @@
 hand-worked numbers, the site's mean gradient against the gradient taken directly, the correction's hook,
 and the strategy's exchange with sites that answer well, badly or not at all."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from fedskew.client_tasks import _site_model, local_optimisation, site_mean_grad
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
 from fedskew.drift import control_shifts, gradient_shift
+from fedskew.launch import SimulationSuperLink
 from fedskew.models.build import build_model, server_etf
 from fedskew.results import RunRecorder
 from fedskew.strategies.fednca import CONTROL_SHIFT_KEY, ETF_KEY, GRADIENT_QUERY, FedNCA
@@ -141,3 +144,18 @@ def test_the_strategy_sends_each_answering_site_its_correction_and_leaves_out_a_
     assert [(d["round"], d["reason"]) for d in recorder.dropped[1:]] == [(2, "site went offline")] * 2 + [
         (2, "site 3: round 2 mean gradient missing: no answer within the round timeout (5 s)")]
     assert recorder.extra["control_variates"][1] == {"round": 2, "sites_asked": 3, "sites_corrected": 0}
+
+
+def test_a_real_flower_run_corrects_every_site_in_every_round(tmp_path):
+    # In this file rather than beside the other Flower runs: pytest-xdist hands out whole files, and that one is
+    # the suite's longest.
+    results = tmp_path / "results"
+    with SimulationSuperLink(tmp_path / "flwr-home") as link:
+        outcome = link.run_app({"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5,
+                                **CORRECTED, "results-dir": str(results)}, num_supernodes=2)
+    assert outcome.completed, outcome.output[-4000:]
+    (run,) = [p for p in results.iterdir() if p.is_dir()]
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train"]["gradient-corrected"] for r in rounds[1:]] == [1.0, 1.0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["control_variates"] == [{"round": r, "sites_asked": 2, "sites_corrected": 2} for r in (1, 2)]
