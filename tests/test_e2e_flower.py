@@ -193,4 +193,3 @@ def test_scaffold_sites_keep_their_control_variate_between_rounds(superlink, tmp
     rounds = [json.loads(line) for line in (_only_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     # Round 1 starts from zeros everywhere; in round 2 every site finds the state it stored in round 1.
     assert [r["train"]["site-state-restored"] for r in rounds[1:]] == [0.0, 1.0]
-
