@@ -66,7 +66,7 @@ from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train
 from fedskew.config import RunConfig
 from fedskew.data import sites as site_data, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.drift import control_shifts, gradient_moments, scaffold_correction, zeros_like_parameters
+from fedskew.drift import control_shifts, gradient_moments, scaffold_correction, weighted_control, zeros_like_parameters
 from fedskew.models import backbones, build as model_build
 from fedskew.models import fednca as fednca_model
 from fedskew.models.build import build_model, server_etf, start_backbone
@@ -638,7 +638,7 @@ class ControlVariates:
 
     def server_update(self, examples: np.ndarray) -> None:
         """c: the round's site controls, example-weighted as FedAvg weights the sites' models."""
-        self.server, _ = control_shifts(dict(enumerate(self.round_controls)), dict(enumerate(examples.tolist())))
+        self.server = weighted_control(dict(enumerate(self.round_controls)), dict(enumerate(examples.tolist())))
         self.round_controls = []
 
 
@@ -647,7 +647,7 @@ def fresh_shifts(cfg: RunConfig, sites: list[SiteData], state: dict[str, torch.T
     """Each site's correction c - c_i for fednca.control-variates, as the ServerApp computes it from the sites'
     answers: c_i the site's mean gradient at the global weights `state`, c their example-weighted mean."""
     answers = [client_tasks.site_mean_gradient(cfg, site, state, server_round=server_round, etf=etf) for site in sites]
-    _, shifts = control_shifts({k: gradient for k, (gradient, _) in enumerate(answers)},
+    shifts = control_shifts({k: gradient for k, (gradient, _) in enumerate(answers)},
                                {k: metrics["num-examples"] for k, (_, metrics) in enumerate(answers)})
     return [shifts[k] for k in range(len(sites))]
 

@@ -184,6 +184,19 @@ def drift_correction(
     return hook, finish, saved is not None
 
 
+def corrects_gradients(cfg: RunConfig) -> bool:
+    """Whether the run config turns FedNCA-ML's control variates on (fednca.control-variates)."""
+    return cfg.method == "fednca" and cfg.fednca.control_variates
+
+
+def require_control_variates(cfg: RunConfig, request: str) -> None:
+    """A site sends more than its model update, or lets the server steer its steps, only when its own run config
+    says so; `request` names what the server asked."""
+    if not corrects_gradients(cfg):
+        raise ValueError(f"{request}, but this site's run config has method {cfg.method!r} with "
+                         "fednca.control-variates off: check that the server and this site run the same run config")
+
+
 def site_mean_gradient(
     cfg: RunConfig, site: SiteData, state: dict[str, torch.Tensor], *, server_round: int, etf: np.ndarray | None = None
 ) -> tuple[dict[str, torch.Tensor], dict]:
@@ -191,11 +204,7 @@ def site_mean_gradient(
     the round's training is) over one pass of its training images at the global weights `state`, one tensor per
     trainable parameter, and the weights the server's mean uses. The weights and BatchNorm statistics are not
     changed."""
-    if not (cfg.method == "fednca" and cfg.fednca.control_variates):
-        # A site sends more than its model update only when its own run config says so.
-        raise ValueError("the server asks for this site's mean gradient, but this site's run config has method "
-                         f"{cfg.method!r} with fednca.control-variates off: check that the server and this site run "
-                         "the same run config")
+    require_control_variates(cfg, "the server asks for this site's mean gradient")
     device = pick_device(cfg.device)
     model = _site_model(cfg, site, state, etf).to(device)
     round_seed = cfg.seed + 1000 * server_round + site.site_id
@@ -266,10 +275,7 @@ def train_site(
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, steps, server_round, augment_seed=round_seed)
     before_step, finish, restored = drift_correction(cfg, model, site_state, server_control, steps)
     if control_shift is not None:
-        if not (cfg.method == "fednca" and cfg.fednca.control_variates):
-            raise ValueError("the server's training message carries a gradient correction, but this site's run config "
-                             f"has method {cfg.method!r} with fednca.control-variates off: check that the server and "
-                             "this site run the same run config")
+        require_control_variates(cfg, "the server's training message carries a gradient correction")
         before_step = gradient_shift(model, control_shift, "the server's gradient correction (c - c_i)")
     keep_optimizer = cfg.method == "fednca" and cfg.fednca.keep_optimizer_state
     if keep_optimizer:
@@ -299,7 +305,7 @@ def train_site(
     if cfg.method in PLAIN_SGD_METHODS:
         # Averaged by the server: the share of sites that found their state from the previous round.
         metrics["site-state-restored"] = float(restored)
-    if cfg.method == "fednca" and cfg.fednca.control_variates:
+    if corrects_gradients(cfg):
         # Averaged by the server: the share of sites whose steps were corrected this round.
         metrics["gradient-corrected"] = float(control_shift is not None)
     if cfg.method == "fedprox":

@@ -115,14 +115,19 @@ def gradient_moments(model: nn.Module, params: list[nn.Parameter], batches: Iter
     return [total / count for total in sums], [square / count for square in squares], count
 
 
-def control_shifts(site_controls: Mapping[object, Tensors], weights: Mapping[object, float]) -> tuple[Tensors, dict[object, Tensors]]:
-    """(c, each site's shift c - c_i): c is the `weights`-weighted mean of the sites' controls c_i."""
+def weighted_control(site_controls: Mapping[object, Tensors], weights: Mapping[object, float]) -> Tensors:
+    """c: the `weights`-weighted mean of the sites' controls c_i."""
     total = sum(weights[site] for site in site_controls)
     if not site_controls or total <= 0:
         raise ValueError("control variates need at least one site's control with a positive weight")
     first = next(iter(site_controls.values()))
-    c = {name: sum(weights[site] / total * controls[name] for site, controls in site_controls.items()) for name in first}
-    return c, {site: {name: c[name] - controls[name] for name in c} for site, controls in site_controls.items()}
+    return {name: sum(weights[site] / total * controls[name] for site, controls in site_controls.items()) for name in first}
+
+
+def control_shifts(site_controls: Mapping[object, Tensors], weights: Mapping[object, float]) -> dict[object, Tensors]:
+    """Each site's shift c - c_i, c = weighted_control(site_controls, weights)."""
+    c = weighted_control(site_controls, weights)
+    return {site: {name: c[name] - controls[name] for name in c} for site, controls in site_controls.items()}
 
 
 def scaffold_site_update(site_control: Tensors, server_control: Tensors, x: Tensors, y: Tensors,

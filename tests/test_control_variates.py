@@ -15,7 +15,7 @@ from test_privacy import SitesOnline
 from fedskew.client_tasks import _site_model, local_optimisation, site_mean_gradient, train_site
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
-from fedskew.drift import control_shifts, gradient_shift
+from fedskew.drift import control_shifts, gradient_shift, weighted_control
 from fedskew.launch import SimulationSuperLink
 from fedskew.models.build import build_model, server_etf
 from fedskew.results import RunRecorder
@@ -27,11 +27,12 @@ CORRECTED = {"method": "fednca", "mosaic-grid": 2, "fednca.control-variates": Tr
 
 def test_server_control_and_site_shifts_by_hand():
     # c = (10 * 1 + 30 * 3) / 40 = 2.5; shifts c - c_i = 1.5 and -0.5; weights sum to the mean.
-    c, shifts = control_shifts({"a": w(1.0), "b": w(3.0)}, {"a": 10, "b": 30})
-    assert c["w"].item() == pytest.approx(2.5)
+    controls, weights = {"a": w(1.0), "b": w(3.0)}, {"a": 10, "b": 30}
+    shifts = control_shifts(controls, weights)
+    assert weighted_control(controls, weights)["w"].item() == pytest.approx(2.5)
     assert shifts["a"]["w"].item() == pytest.approx(1.5) and shifts["b"]["w"].item() == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="at least one site"):
-        control_shifts({}, {})
+        weighted_control({}, {})
 
 
 def test_the_shift_is_added_to_every_gradient():

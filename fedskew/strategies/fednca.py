@@ -95,7 +95,7 @@ class FedNCA(RecordingMixin, FedAvg):
             {"round": server_round, "sites_asked": len(queries), "sites_corrected": len(answered)})
         if not answered:
             return []
-        _, shifts = control_shifts({node: content["arrays"].to_torch_state_dict() for node, content in answered.items()},
+        shifts = control_shifts({node: content["arrays"].to_torch_state_dict() for node, content in answered.items()},
                                    {node: float(content["metrics"][self.weighted_by_key]) for node, content in answered.items()})
         return [
             Message(RecordDict({**dict(msg.content.items()), CONTROL_SHIFT_KEY: ArrayRecord(shifts[msg.metadata.dst_node_id])}),
