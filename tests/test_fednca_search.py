@@ -392,6 +392,11 @@ def test_table_gives_mean_and_sample_sd_over_seeds(tmp_path):
     text = table(tmp_path, [0, 1, 2])  # seed 7 is not asked for
     assert "| fednca | 0.800 ± 0.100 (n=3) | 0.900 ± 0.000 |" in text
     assert "| fedavg | - | - |" in text
+    named = table(tmp_path, [0, 1, 2], ["default-fednca", "centralized-e2-r60"])  # any trials, in the order given
+    assert named.splitlines()[2:] == ["| fednca | 0.800 ± 0.100 (n=3) | 0.900 ± 0.000 |", "| centralized-e2-r60 | - | - |"]
+    columns = table(tmp_path, [0, 1, 2], ["default-fednca"], ["shapes-multi-32", "digits-mosaic"])  # in that order
+    assert columns.splitlines()[0] == "| method | shapes-multi-32 macro-F1 | AUC | digits-mosaic macro-F1 | AUC |"
+    assert columns.splitlines()[2] == "| fednca | - | - | 0.800 ± 0.100 (n=3) | 0.900 ± 0.000 |"
 
 
 def test_the_sites_share_the_averaged_optimiser_state_only_from_the_chosen_round_on(monkeypatch):
