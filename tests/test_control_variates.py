@@ -153,7 +153,7 @@ def test_a_real_flower_run_corrects_every_site_in_every_round(tmp_path):
     results = tmp_path / "results"
     with SimulationSuperLink(tmp_path / "flwr-home") as link:
         outcome = link.run_app({"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5,
-                                **CORRECTED, "results-dir": str(results)}, num_supernodes=2)
+                                **CORRECTED, "results-dir": str(results)}, num_supernodes=2, ray_cpus=1)  # one actor: see test_e2e_flower.py
     assert outcome.completed, outcome.output[-4000:]
     (run,) = [p for p in results.iterdir() if p.is_dir()]
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
