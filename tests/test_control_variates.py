@@ -16,7 +16,6 @@ from fedskew.client_tasks import _site_model, local_optimisation, site_mean_grad
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
 from fedskew.drift import control_shifts, gradient_shift, weighted_control
-from fedskew.launch import SimulationSuperLink
 from fedskew.models.build import build_model, server_etf
 from fedskew.results import RunRecorder
 from fedskew.strategies.fednca import CONTROL_SHIFT_KEY, ETF_KEY, GRADIENT_QUERY, FedNCA
@@ -147,13 +146,12 @@ def test_the_strategy_sends_each_answering_site_its_correction_and_leaves_out_a_
     assert recorder.extra["control_variates"][1] == {"round": 2, "sites_asked": 3, "sites_corrected": 0}
 
 
-def test_a_real_flower_run_corrects_every_site_in_every_round(tmp_path):
+def test_a_real_flower_run_corrects_every_site_in_every_round(tiny_run_superlink, tmp_path):
     # In this file rather than beside the other Flower runs: pytest-xdist hands out whole files, and that one is
     # the suite's longest.
     results = tmp_path / "results"
-    with SimulationSuperLink(tmp_path / "flwr-home") as link:
-        outcome = link.run_app({"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5,
-                                **CORRECTED, "results-dir": str(results)}, num_supernodes=2, ray_cpus=1)  # one actor: see test_e2e_flower.py
+    outcome = tiny_run_superlink.run_app({"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2,
+                                          "min-site-size": 5, **CORRECTED, "results-dir": str(results)}, num_supernodes=2)
     assert outcome.completed, outcome.output[-4000:]
     (run,) = [p for p in results.iterdir() if p.is_dir()]
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -2,7 +2,6 @@
 its own FLWR_HOME, `flwr run`, and the run judged by `flwr ls` and the results it wrote."""
 
 import csv
-import functools
 import json
 import shutil
 
@@ -13,7 +12,6 @@ from dp_accounting.rdp import RdpAccountant
 from multihot_npz import CLASS_NAMES, write_multihot_npz
 from safetensors.torch import load_file
 
-from fedskew.launch import SimulationSuperLink
 from fedskew.metrics import THRESHOLD_GRID, multilabel_metrics
 from fedskew.models.model_file import read_model_file
 from fedskew.predict import predict
@@ -23,23 +21,13 @@ TINY = {"num-server-rounds": 2, "batch-size": 64, "val-fraction": 0.2, "min-site
 DP = {"aggregation": "unweighted", "dp.mode": "central-server-clipping", "dp.noise-multiplier": 1.0}
 
 
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory):
-    with SimulationSuperLink(tmp_path_factory.mktemp("flwr-home")) as link:
-        # One Ray CPU, so one ClientApp actor: these sites train for a fraction of a second, and a second actor
-        # only adds its start-up (importing torch and the app) on cores the other test worker is using; measured
-        # beside one busy core, a 3-site run took 31 s of wall time against 39-42 s with two actors.
-        link.run_app = functools.partial(link.run_app, ray_cpus=1)
-        yield link
-
-
 def _only_run_dir(results_dir):
     (run,) = [p for p in results_dir.iterdir() if p.is_dir()]
     return run
 
 
-def test_fedavg_runs_two_rounds_on_three_sites_and_writes_results(superlink, tmp_path):
-    outcome = superlink.run_app({**TINY, "method": "fedavg", "results-dir": str(tmp_path)}, num_supernodes=3)
+def test_fedavg_runs_two_rounds_on_three_sites_and_writes_results(tiny_run_superlink, tmp_path):
+    outcome = tiny_run_superlink.run_app({**TINY, "method": "fedavg", "results-dir": str(tmp_path)}, num_supernodes=3)
     assert outcome.completed, outcome.output[-4000:]
     assert "fedskew: 3 site(s) take part" in outcome.output  # the federation size is never silent
     run = _only_run_dir(tmp_path)
@@ -69,11 +57,11 @@ def own_multilabel(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fednca_run(superlink, own_multilabel, tmp_path_factory):
+def fednca_run(tiny_run_superlink, own_multilabel, tmp_path_factory):
     """One real fednca run with central DP (2 sites, 2 rounds) on a multi-hot npz, shared by the tests that
     inspect or resume it."""
     results = tmp_path_factory.mktemp("fednca")
-    outcome = superlink.run_app({**TINY, **DP, **own_multilabel, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
+    outcome = tiny_run_superlink.run_app({**TINY, **DP, **own_multilabel, "method": "fednca", "results-dir": str(results)}, num_supernodes=2)
     assert outcome.completed, outcome.output[-4000:]
     return _only_run_dir(results)
 
@@ -137,9 +125,9 @@ def test_fednca_with_central_dp_reports_the_accountants_epsilon_every_round(fedn
     assert privacy["epsilon"] == rounds[-1]["privacy"]["epsilon"] > 0
 
 
-def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_multilabel, fednca_run, tmp_path):
+def test_a_resumed_run_continues_after_the_last_completed_round(tiny_run_superlink, own_multilabel, fednca_run, tmp_path):
     before = {p.name: p.read_bytes() for p in fednca_run.iterdir()}
-    resumed = superlink.run_app(
+    resumed = tiny_run_superlink.run_app(
         {**TINY, **DP, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(fednca_run), "results-dir": str(tmp_path)},
         num_supernodes=2,
     )
@@ -156,11 +144,11 @@ def test_a_resumed_run_continues_after_the_last_completed_round(superlink, own_m
     assert {p.name: p.read_bytes() for p in fednca_run.iterdir()} == before  # the earlier run is untouched
 
 
-def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_records_why(superlink, own_multilabel, fednca_run, tmp_path):
+def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_records_why(tiny_run_superlink, own_multilabel, fednca_run, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(fednca_run, damaged)
     (damaged / "checkpoint.json").write_text('{"round": "abc"}')
-    outcome = superlink.run_app(
+    outcome = tiny_run_superlink.run_app(
         {**TINY, **DP, **own_multilabel, "method": "fednca", "num-server-rounds": 3, "resume-from": str(damaged),
          "results-dir": str(tmp_path / "results")},
         num_supernodes=2,
@@ -171,8 +159,8 @@ def test_a_resume_from_a_damaged_checkpoint_fails_inside_the_serverapp_and_recor
     assert summary["reason"] == f"ValueError: resume-from: {damaged / 'checkpoint.json'} must hold the completed round as an int >= 1, got 'abc'"
 
 
-def test_fedprox_with_federated_evaluation_sends_mu_to_every_site_and_records_their_validation(superlink, tmp_path):
-    outcome = superlink.run_app({**TINY, "method": "fedprox", "proximal-mu": 0.25, "test-data": "federated",
+def test_fedprox_with_federated_evaluation_sends_mu_to_every_site_and_records_their_validation(tiny_run_superlink, tmp_path):
+    outcome = tiny_run_superlink.run_app({**TINY, "method": "fedprox", "proximal-mu": 0.25, "test-data": "federated",
                                  "results-dir": str(tmp_path)}, num_supernodes=2)  # fmt: skip
     assert outcome.completed, outcome.output[-4000:]
     run = _only_run_dir(tmp_path)
@@ -185,15 +173,15 @@ def test_fedprox_with_federated_evaluation_sends_mu_to_every_site_and_records_th
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
-def test_a_bad_config_value_fails_the_run_with_the_clear_message(superlink, tmp_path):
-    outcome = superlink.run_app({**TINY, "alpha": -1.0, "results-dir": str(tmp_path)}, num_supernodes=2)
+def test_a_bad_config_value_fails_the_run_with_the_clear_message(tiny_run_superlink, tmp_path):
+    outcome = tiny_run_superlink.run_app({**TINY, "alpha": -1.0, "results-dir": str(tmp_path)}, num_supernodes=2)
     assert not outcome.completed
     assert "ConfigError: invalid run config: key 'alpha' = -1.0 is invalid: Input should be greater than 0" in outcome.output
     assert "Traceback" not in outcome.output  # the message alone, not the frames of the config's validation
 
 
-def test_scaffold_sites_keep_their_control_variate_between_rounds(superlink, tmp_path):
-    outcome = superlink.run_app({**TINY, "method": "scaffold", "results-dir": str(tmp_path)}, num_supernodes=2)
+def test_scaffold_sites_keep_their_control_variate_between_rounds(tiny_run_superlink, tmp_path):
+    outcome = tiny_run_superlink.run_app({**TINY, "method": "scaffold", "results-dir": str(tmp_path)}, num_supernodes=2)
     assert outcome.completed, outcome.output[-4000:]
     rounds = [json.loads(line) for line in (_only_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     # Round 1 starts from zeros everywhere; in round 2 every site finds the state it stored in round 1.
