@@ -45,8 +45,8 @@ def pytest_collection_modifyitems(items):
 def tiny_run_superlink(tmp_path_factory):
     """A simulation SuperLink for a module's Flower runs of tiny sites, each run on one Ray CPU (one ClientApp
     actor): the sites train for a fraction of a second, and a second actor only adds its start-up (importing torch
-    and the app) on cores the other test worker is using. Measured beside one busy core, a 3-site run took 31 s
-    of wall time against 39-42 s with two actors."""
+    and the app) on cores the other test worker is using. Measured beside one busy core, `pytest -n 0
+    tests/test_e2e_flower.py` took 211 s against 242 s with two actors."""
     with SimulationSuperLink(tmp_path_factory.mktemp("flwr-home")) as link:
         link.run_app = functools.partial(link.run_app, ray_cpus=1)
         yield link
