@@ -26,7 +26,8 @@ re-run skips what is done); `--report` writes OUT/search.md.
 
 Diagnosis: every trial also records what separates a ranking failure from a calibration failure —
 validation macro-AUC and mAP, labels predicted per image at 0.5 against labels present, the
-macro-F1 at the one threshold that is best on validation (and the test F1 at it), the scores with
+macro-F1 at the one threshold that is best on validation (and the test F1 at it) and at one threshold per
+label chosen the same way (`label_thresholds`), the scores with
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
 after every round, for federated methods the sites' own models' mean validation AUC before the
 last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation images
@@ -1044,6 +1045,14 @@ def validation_threshold(labels: np.ndarray, probs: np.ndarray) -> float:
     return choose_threshold(threshold_counts(labels, probs, THRESHOLD_GRID), THRESHOLD_GRID)
 
 
+def label_thresholds(labels: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """(K,) one decision threshold per label, each the grid point with that label's best validation F1 (ties to
+    the nearest 0.5, as `choose_threshold`): since macro-F1 is the labels' mean F1, these maximise it on
+    validation. A Flower run could choose them from the same summed counts; it decides at one shared threshold."""
+    counts = threshold_counts(labels, probs, THRESHOLD_GRID)  # (T, K, 3)
+    return np.array([choose_threshold(counts[:, [k]], THRESHOLD_GRID) for k in range(counts.shape[1])])
+
+
 @torch.no_grad()
 def class_feature_cosine(model: fednca_model.FedNCAModel, images: np.ndarray) -> float:
     """Mean cosine between two classes' features f_bj, f_bk (j != k) of one image, over `images`, the model in
@@ -1107,6 +1116,10 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data, cfg: RunConfig
         "val_thr": f1_at(val_labels, val_probs, threshold),
         "test_thr": f1_at(data.test_labels, test_probs, threshold),
     })
+    per_label = label_thresholds(val_labels, val_probs)
+    scores.update({"label_thresholds": [round(float(t), 2) for t in per_label],
+                   "val_label_thr": f1_at(val_labels, val_probs, per_label),
+                   "test_label_thr": f1_at(data.test_labels, test_probs, per_label)})
     train_images = np.concatenate([s.train_images for s in sites])
     if getattr(model, "ladm", None) is not None:
         train_labels = np.concatenate([s.train_labels for s in sites])

@@ -30,6 +30,8 @@ from bench.fednca_search import (
     federated_average,
     fresh_shifts,
     hold_then_decay,
+    label_thresholds,
+    f1_at,
     momentum_step,
     optimizer_restarts,
     pick_by_budget,
@@ -65,6 +67,19 @@ def test_the_threshold_is_the_grid_point_with_the_best_validation_macro_f1():
     labels = np.array([[1, 0], [0, 1], [1, 1], [0, 0]])
     probs = np.array([[0.30, 0.10], [0.15, 0.35], [0.32, 0.31], [0.22, 0.22]])
     assert validation_threshold(labels, probs) == pytest.approx(0.25)
+
+
+def test_each_label_gets_the_grid_point_that_separates_it_and_ties_go_to_the_nearest_half():
+    # Class 0's positives score 0.70-0.80 and negatives 0.40-0.52: 0.55, 0.60 and 0.65 separate it, 0.55 is nearest
+    # 0.5. Class 1's positives 0.20-0.25, negatives 0.05-0.12: 0.15 is the one grid point between. Class 2 has no
+    # positive and scores 0.30: F1 is 0 at every threshold below 0.30 and, with nothing predicted, 0 above it too,
+    # so the tie goes to 0.5. No shared threshold separates classes 0 and 1 at once.
+    labels = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0]])
+    probs = np.array([[0.70, 0.05, 0.30], [0.80, 0.25, 0.30], [0.52, 0.20, 0.30], [0.40, 0.12, 0.30]])
+    chosen = label_thresholds(labels, probs)
+    np.testing.assert_allclose(chosen, [0.55, 0.15, 0.50])
+    assert f1_at(labels[:, :2], probs[:, :2], chosen[:2]) == pytest.approx(1.0)
+    assert f1_at(labels[:, :2], probs[:, :2], validation_threshold(labels[:, :2], probs[:, :2])) < 1.0
 
 
 def test_recalibrated_batchnorm_holds_the_pooled_statistics_and_leaves_the_model_alone():
