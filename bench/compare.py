@@ -4,8 +4,9 @@
         --run-config "mosaic-grid=2 partition='multilabel-skew' alpha=0.1" \
         --seeds 0,1,2 --num-sites 10 --out bench/results/NAME
 
-Writes NAME/results.json ({method: {metric: [one value per seed]}}), NAME/results.md (mean ±
-sd per metric), NAME/per_class.png, NAME/overhead.json, and every run's own results under
+Writes NAME/results.json ({method: {metric: [one value per seed]}, at the round each run's validation
+selected, and final_METRIC at its last round}), NAME/results.md (mean ± sd per metric, the final round's
+beside it where it differs), NAME/per_class.png, NAME/overhead.json, and every run's own results under
 NAME/runs/. With fedavg among the methods it also measures the framework's overhead: one more FedAvg
 run in Flower with --workers ClientApps at a time, its steady-state round clocked in wall and CPU
 seconds (every process of the run), then the same round's work in a plain PyTorch loop with --workers
@@ -176,6 +177,18 @@ def summarise(values: list[float], scale: float = 1.0, decimals: int = 4) -> str
     return f"{statistics.mean(finite):.{decimals}f} ± {statistics.stdev(finite):.{decimals}f}"
 
 
+def metric_cell(record: dict[str, list], key: str) -> str:
+    """A results.md cell: the value at the selected round, with the final round's in brackets where it differs;
+    the selected rounds themselves one per seed (a mean round would be a round no run chose)."""
+    if key == "selected_round":
+        return ", ".join(map(str, record[key]))
+    cell = summarise(record[key], *DISPLAY.get(key, (key, 1.0, 4))[1:])
+    final = record.get(f"final_{key}")
+    if final is not None and final != record[key]:
+        cell += f" (final {summarise(final, *DISPLAY.get(key, (key, 1.0, 4))[1:])})"
+    return cell
+
+
 def plot_per_class(per_class: dict[str, list[list[float]]], class_names: list[str], key: str, path: Path) -> None:
     methods = list(per_class)
     width = 0.8 / max(len(methods), 1)
@@ -238,18 +251,21 @@ def collect(runs: dict[tuple[str, int], Path]):
         multilabel = "f1_macro" in summary["final"]
         class_names = json.loads((path / "partition.json").read_text())["class-names"]
         record = results.setdefault(name, {})
+        # Each method at the round its validation chose (test metrics only reported there), the final round beside it.
+        selected = summary["best"] or summary["final"]
+        record.setdefault("selected_round", []).append(summary["best_round"] or summary["rounds_completed"])
         for key in SCALARS[multilabel]:
-            record.setdefault(key, []).append(summary["final"].get(key))
-            record.setdefault(f"best_{key}", []).append(summary["best"].get(key))
-        if multilabel:  # the final round's decision threshold (chosen on validation for that round)
-            record.setdefault("threshold", []).append(rounds[-1].get("threshold"))
+            record.setdefault(key, []).append(selected.get(key))
+            record.setdefault(f"final_{key}", []).append(summary["final"].get(key))
+        if multilabel:  # the selected round's decision threshold (chosen on validation for that round)
+            record.setdefault("threshold", []).append(summary.get("threshold", rounds[-1].get("threshold")))
         record.setdefault("wall_seconds", []).append(summary["wall_seconds"])
         record.setdefault("round_seconds", []).append(statistics.mean(r["round_seconds"] for r in rounds if r["round"] > 0))
         record.setdefault("bytes_total", []).append(summary["bytes"]["sent_total"] + summary["bytes"]["received_total"])
         # differential privacy: the epsilon spent (a row without DP has none: n/a)
         record.setdefault("epsilon", []).append(run_epsilon(summary))
         record.setdefault("memorized_share", []).append(memorized_share(summary))
-        per_class.setdefault(name, []).append(summary["final"][PER_CLASS[multilabel]])
+        per_class.setdefault(name, []).append(selected[PER_CLASS[multilabel]])
     return results, per_class, class_names, multilabel
 
 
@@ -262,7 +278,8 @@ def shell_quote(argument: str) -> str:
 def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str:
     """results.json / results.md / per_class.png from every completed run so far."""
     results, per_class, class_names, multilabel = collect(runs)
-    keys = list(SCALARS[multilabel]) + (["threshold"] if multilabel else []) + ["wall_seconds", "round_seconds", "bytes_total"]
+    keys = (list(SCALARS[multilabel]) + (["threshold"] if multilabel else [])
+            + ["selected_round", "wall_seconds", "round_seconds", "bytes_total"])
     for key in ("epsilon", "memorized_share"):
         if any(v is not None for record in results.values() for v in record[key]):
             keys.append(key)
@@ -280,15 +297,16 @@ def write_report(args, runs: dict[tuple[str, int], Path], overhead: dict) -> str
         + (f"--overhead-repeats {args.overhead_repeats} " if args.overhead_repeats != OVERHEAD_REPEATS else "")
         + f"--num-sites {args.num_sites} --out {args.out}`",
         "",
-        f"Final-round test metrics, mean ± sd over the seeds completed ({', '.join(map(str, seeds_done))}; n per row in "
-        "the last column; a single value where n = 1). MB_moved: bytes sent + received by the server, all sites, "
-        "whole run.",
+        f"Test metrics at the round each run's validation selected (selected_round; the test split never chooses), "
+        f"with the final round's in brackets where it differs; mean ± sd over the seeds completed "
+        f"({', '.join(map(str, seeds_done))}; n per row in the last column; a single value where n = 1). MB_moved: "
+        "bytes sent + received by the server, all sites, whole run.",
         "",
         "| method | " + " | ".join(DISPLAY.get(k, (k,))[0] for k in keys) + " | n |",
         "|---" * (len(keys) + 2) + "|",
     ]
     for name, record in results.items():
-        cells = [summarise(record[k], *DISPLAY.get(k, (k, 1.0, 4))[1:]) for k in keys]
+        cells = [metric_cell(record, k) for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(record['wall_seconds'])} |")
     if overhead:
         pairs = overhead["pairs"]
