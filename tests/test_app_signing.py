@@ -4,7 +4,6 @@ client the way the Flower Hub does."""
 
 import hashlib
 import json
-import shutil
 import subprocess
 import zipfile
 from io import BytesIO
@@ -18,16 +17,18 @@ from flwr.supercore.fab import Fab
 from flwr.supercore.utils import request_download_link
 from flwr.supernode.start_client_internal import _verify_fab
 
+from system_tools import require_tool
+
 from fedskew.app_signing import AppIndex, publish_app, signature_record
 from fedskew.cli import main as cli_main
 from fedskew.launch import APP_DIR, free_port
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
-pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
+    require_tool("ssh-keygen")  # docker/app-key.sh makes the keys with it
     root = tmp_path_factory.mktemp("app-keys")
     for name in ("federation", "other"):
         subprocess.run([str(DOCKER / "app-key.sh"), str(root / name)], check=True, capture_output=True)
@@ -76,7 +77,7 @@ def test_flowers_supernode_accepts_the_federations_signature_and_nothing_else(ke
 
 def test_a_signing_key_that_is_not_ed25519_is_refused_with_its_path(tmp_path):
     key = tmp_path / "ecdsa"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(key)], check=True)
+    subprocess.run([require_tool("ssh-keygen"), "-q", "-t", "ecdsa", "-N", "", "-f", str(key)], check=True)
     with pytest.raises(ValueError, match=f"signing key {key}.*Ed25519"):
         signature_record(b"fab", key, "fedskew-federation")
     with pytest.raises(ValueError, match="key id 'bad id'"):

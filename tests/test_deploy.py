@@ -24,6 +24,7 @@ from cryptography import x509
 from flwr.common.config import parse_config_args
 
 from multihot_npz import write_multihot_npz
+from system_tools import require_tool
 
 from fedskew.app_signing import AppIndex, publish_app
 from fedskew.cli import main as cli_main
@@ -46,14 +47,10 @@ TINY_FACTORY = {"method": "factory", "mosaic-grid": 0, "partition": "classes-per
                 "factory.sampler-steps": 3, "factory.samples-per-class": 24, "factory.classifier": "small-cnn",
                 "factory.classifier-epochs": 2}  # fmt: skip
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("openssl") and shutil.which("ssh-keygen") and shutil.which("nginx")),
-    reason="needs openssl, ssh-keygen and nginx",
-)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
+    require_tool("openssl")
+    require_tool("ssh-keygen")
     root = tmp_path_factory.mktemp("pki")
     subprocess.run([str(DOCKER / "certs.sh"), str(root / "certs")], check=True, capture_output=True)
     keys = ["site-0", "site-1", "site-2", "site-3", "intruder"]
@@ -90,6 +87,7 @@ def factory_sites(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def link(tmp_path_factory, pki, app_index):
+    require_tool("nginx")  # the fleet proxy
     index, signed_app = app_index
     tls = TlsFiles.in_folder(pki / "certs")
     home = tmp_path_factory.mktemp("superlink")
@@ -327,9 +325,9 @@ def compose_services(name: str, env: dict[str, str]) -> dict:
     return yaml.safe_load(text)["services"]
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
 @pytest.mark.parametrize("what", COMPOSE_FILES)
 def test_compose_files_validate_and_name_a_missing_setting(what):
+    require_tool("docker-compose")
     files, env = COMPOSE_FILES[what]
     args = [arg for name in files for arg in ("-f", str(DOCKER / name))]
     checked = subprocess.run(["docker-compose", *args, "config", "-q"], capture_output=True, text=True, env={**os.environ, **env})

@@ -5,12 +5,13 @@ import base64
 import io
 import json
 import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from system_tools import require_tool
 
 from fedskew.cli import main as cli_main
 from fedskew.config import ConfigError, RunConfig
@@ -134,14 +135,10 @@ window.addEventListener("load", () => {
 </script>"""
 
 
-def chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def render(page_path, screenshot, tmp_path) -> list[str]:
     """Load the page in headless Chromium, save a screenshot, return the page's console messages."""
     result = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
+        [require_tool("chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
          "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400", f"--screenshot={screenshot}",
          page_path.as_uri()],
         capture_output=True, text=True, timeout=120,
@@ -150,8 +147,8 @@ def render(page_path, screenshot, tmp_path) -> list[str]:
     return re.findall(r":CONSOLE[^\]]*\] \"(.*)\", source:", result.stderr)
 
 
-@pytest.mark.skipif(chromium() is None, reason="chromium is not installed (.ci/run installs Debian's package)")
 def test_the_report_renders_in_headless_chromium_without_errors_and_is_not_blank(tmp_path):
+    require_tool("chromium")
     run = fake_run(tmp_path, method="factory", multilabel=False).path
     page = write_report(run).read_text()
     probed = tmp_path / "probed.html"
