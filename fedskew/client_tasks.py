@@ -24,7 +24,7 @@ from fedskew.drift import (
 )
 from fedskew.data.partition import label_cooccurrence, label_counts
 from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
-from fedskew.data.sites import SiteData, load_partition, simulated_site
+from fedskew.data.sites import SiteData, load_partition, site_in_simulation
 from fedskew.models.build import build_model
 from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
 from fedskew.metrics import counted_thresholds, threshold_counts
@@ -36,8 +36,8 @@ UNIT_WEIGHT_KEY = "unit-weight"  # reported as 1 with every reply: the weight of
 
 
 def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
-    """The site's own data: its folder (node config data-dir) or its simulated partition share
-    (partition-id / num-partitions)."""
+    """The site's own data: its folder (node config data-dir), or in simulation (partition-id /
+    num-partitions) its site folder with dataset sites:<dir>, else its partition share."""
     if DATA_DIR_KEY in node_config:
         return deployed_site(cfg, node_config)
     if "partition-id" not in node_config or "num-partitions" not in node_config:
@@ -46,7 +46,7 @@ def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
             "\"partition-id=K num-partitions=N\" (simulation) "
             f"(node config seen: {dict(node_config)})"
         )
-    return simulated_site(cfg, int(node_config["partition-id"]), int(node_config["num-partitions"]))
+    return site_in_simulation(cfg, int(node_config["partition-id"]), int(node_config["num-partitions"]))
 
 
 def site_survey(cfg: RunConfig, site: SiteData) -> dict:

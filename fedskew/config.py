@@ -31,6 +31,9 @@ MEDMNIST_MULTILABEL_TASK = "multi-label, binary-class"  # the `task` of medmnist
 # A generator that does not copy its training images scores ~0 (0.0% on every digit class in the generator
 # benchmark); a deployed site refuses to upload one whose audit finds more than 1 sample in 20 a near-copy.
 DEPLOYED_MAX_MEMORIZATION = 0.05
+SITES_DATASET = "sites"  # dataset = "sites:<dir>": simulate on the sites' own folders, one sub-folder per site
+# With dataset sites:<dir> these keys do not apply: each folder is one site and its images stay where they are.
+SITE_SPLIT_KEYS: tuple[str, ...] = ("partition", "alpha", "classes-per-site", "missing-classes", "min-site-size")
 FEDERATED_EVALUATION = "federated"  # test-data value: no server test set, the sites' validation metrics
 
 
@@ -362,8 +365,12 @@ class RunConfig(_Section):
     dataset: str = Field(
         "digits",
         description="Image source: `digits` (bundled with scikit-learn), `medmnist:<name>`, "
-        "`npz:<path>` (MedMNIST npz layout), `cifar10`, or a set generated from the seed: `deformed-digits`, "
-        "`shapes` (single-label) or `shapes-multi` (multi-label).",
+        "`npz:<path>` (MedMNIST npz layout), `cifar10`, a set generated from the seed: `deformed-digits`, "
+        "`shapes` (single-label) or `shapes-multi` (multi-label), or `sites:<dir>`: the sites' own folders, one "
+        "sub-folder of <dir> per site in a deployed site's layout, simulated SuperNode k reading the k-th by name "
+        "(numbers compared as numbers); the sites' split is kept (partition keys stay at their defaults), "
+        "`mosaic-grid` must be 0 and `test-data` a path or `federated`. A relative <path>/<dir> is under "
+        "`data-root`.",
     )
     data_root: str = Field("data", description="Folder holding downloaded/placed dataset files.")
     num_classes: int = Field(
@@ -479,12 +486,12 @@ class RunConfig(_Section):
     @classmethod
     def _known_dataset_form(cls, value: str) -> str:
         kind, sep, arg = value.partition(":")
-        if value in ("digits", "cifar10", *GENERATED_DATASETS) or (sep and kind in ("medmnist", "npz") and arg):
+        if value in ("digits", "cifar10", *GENERATED_DATASETS) or (sep and kind in ("medmnist", "npz", SITES_DATASET) and arg):
             return value
         raise ValueError(
             f"key 'dataset' = {value!r} is invalid; valid: digits, cifar10, medmnist:<name> (e.g. "
-            "medmnist:chestmnist), npz:<path to a MedMNIST-layout .npz> or a generated set: "
-            + ", ".join(GENERATED_DATASETS)
+            "medmnist:chestmnist), npz:<path to a MedMNIST-layout .npz>, sites:<folder of site folders> or a "
+            "generated set: " + ", ".join(GENERATED_DATASETS)
         )
 
     @field_validator("threshold", mode="before")
@@ -508,6 +515,8 @@ class RunConfig(_Section):
             raise _field_error("mosaic-grid", 1, "0 (off) or 2-4 (a 1 x 1 mosaic is the source image)")
         if self.mosaic_grid >= 2 and self.dataset in MULTILABEL_SOURCES:
             raise _field_error("mosaic-grid", self.mosaic_grid, f"0 for {self.dataset}, already multi-label")
+        if sites_dir(self.dataset) is not None:
+            _check_site_folders_run(self)
         if self.labels == "single" and self.mosaic_grid >= 2:
             raise _field_error("labels", "single", "multi or auto when mosaic-grid >= 2 (a mosaic holds several classes)")
         if self.pretrained and self.fractal_pretrain_epochs:
@@ -540,6 +549,8 @@ class RunConfig(_Section):
         dataset); None when only the data can tell (an npz file, a deployed site's folder)."""
         if self.labels != "auto":
             return self.labels
+        if sites_dir(self.dataset) is not None:
+            return None
         if self.mosaic_grid >= 2:
             return "multi"
         kind, _, name = self.dataset.partition(":")
@@ -575,6 +586,29 @@ class RunConfig(_Section):
         return _flatten(self.model_dump(by_alias=True))
 
 
+def sites_dir(dataset: str) -> str | None:
+    """The folder of site folders that dataset `sites:<dir>` names, as written; None for other datasets."""
+    kind, _, folder = dataset.partition(":")
+    return folder if kind == SITES_DATASET else None
+
+
+def _check_site_folders_run(cfg: RunConfig) -> None:
+    """What a run on the sites' own folders cannot use: a mosaic (the folders are read as stored), a partition
+    setting (each folder is one site), or the dataset's test split (the folders hold no test split)."""
+    if cfg.mosaic_grid != 0:
+        raise _field_error("mosaic-grid", cfg.mosaic_grid, f"0 with dataset {cfg.dataset!r} (the site folders' images "
+                           "are read as stored, never tiled into mosaics)")  # fmt: skip
+    defaults = RunConfig.model_fields
+    for key in SITE_SPLIT_KEYS:
+        name = key.replace("-", "_")
+        if getattr(cfg, name) != defaults[name].default:
+            raise _field_error(key, getattr(cfg, name), f"its default {defaults[name].default!r} with dataset "
+                               f"{cfg.dataset!r}: each site folder is one site and the sites' own split is kept")  # fmt: skip
+    if not cfg.test_data:
+        raise _field_error("test-data", "", f"a site-layout folder, a MedMNIST-layout .npz or {FEDERATED_EVALUATION!r} "
+                           f"with dataset {cfg.dataset!r} (the site folders hold no test split for the server)")  # fmt: skip
+
+
 def _check_dp(cfg: RunConfig) -> None:
     if cfg.dp.mode == "off":
         return
@@ -595,6 +629,8 @@ def label_kind_conflicts(cfg: RunConfig, kind: str) -> list[str]:
     """What in `cfg` cannot run on `kind` ("multi" | "single") labels: checked on the config when it
     decides the kind, else when the data is loaded (`check_label_kind`)."""
     problems = []
+    # Site folders keep their own split: the partition keys stay at their defaults and say nothing about it.
+    partitioned = sites_dir(cfg.dataset) is None
     if cfg.labels != "auto" and cfg.labels != kind:
         problems.append(f"key 'labels' = {cfg.labels!r} is invalid; valid: {kind!r} or 'auto' ({kind}-label data)")
     if cfg.method in MULTILABEL_METHODS and kind == "single":
@@ -607,12 +643,12 @@ def label_kind_conflicts(cfg: RunConfig, kind: str) -> list[str]:
             f"key 'method' = {cfg.method!r} is invalid; valid: single-label data (mosaic-grid = 0 and a single-label "
             "dataset): FederatedFactory's generators and classifier model one class per image"
         )
-    if cfg.partition == "multilabel-skew" and kind == "single":
+    if partitioned and cfg.partition == "multilabel-skew" and kind == "single":
         problems.append(
             f"key 'partition' = {cfg.partition!r} is invalid; valid: iid, dirichlet or classes-per-site for "
             "single-label data (or set mosaic-grid to 2-4 for multi-label data)"
         )
-    if cfg.partition in ("dirichlet", "classes-per-site") and kind == "multi":
+    if partitioned and cfg.partition in ("dirichlet", "classes-per-site") and kind == "multi":
         problems.append(
             f"key 'partition' = {cfg.partition!r} is invalid; valid: iid or multilabel-skew for multi-label data"
         )

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from fedskew.config import ConfigError, RunConfig  # noqa: E402
+from fedskew.config import SITES_DATASET, ConfigError, RunConfig, sites_dir  # noqa: E402
 from fedskew.metrics import headline_metric  # noqa: E402
 from fedskew.models.build import weights_mismatch  # noqa: E402
 from fedskew.models.model_file import ModelCard, save_model_file, weights_only  # noqa: E402
@@ -94,7 +94,10 @@ def read_json(path: Path) -> Any:
 
 def run_dir_name(method: str, dataset: str, now: datetime | None = None) -> str:
     stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S-%f")
-    return f"{stamp}-{method}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', dataset)}"
+    folders = sites_dir(dataset)
+    # Site folders are named by their folder of folders, not by its whole path.
+    named = dataset if folders is None else f"{SITES_DATASET}-{Path(folders).expanduser().resolve().name}"
+    return f"{stamp}-{method}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', named)}"
 
 
 @dataclass

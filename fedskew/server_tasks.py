@@ -17,9 +17,9 @@ from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
 from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
-from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind, current_run_config
+from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind, current_run_config, sites_dir
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
-from fedskew.data.site_folder import load_test_set
+from fedskew.data.site_folder import load_test_set, site_folders
 from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
@@ -301,7 +301,7 @@ def train_centralized(
     swung by up to 16 points between its last epochs, so its final round could read below the method
     it bounds."""
     images, labels, val_images, val_labels = pooled_site_data(cfg, num_sites)
-    test = load_task_dataset(cfg)
+    test = load_server_test_set(cfg)  # None with test-data = "federated": validation is the evaluation
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.fednca_model else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = start_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf), task.image_shape,
@@ -311,7 +311,7 @@ def train_centralized(
     if scheduler is None:  # the SGD model: the same steps, ending stable instead of at the full rate
         total_steps = cfg.num_server_rounds * cfg.local_epochs * len(loader)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    recorder.record_round(0, evaluate(model, test.test_images, test.test_labels, device=device))
+    recorder.record_round(0, {} if test is None else evaluate(model, test.test_images, test.test_labels, device=device))
     for server_round in range(1, cfg.num_server_rounds + 1):
         stats = train_local(
             model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
@@ -359,7 +359,10 @@ def load_server_validation_set(cfg: RunConfig, task: TaskShape | ImageDataset) -
 def load_server_test_set(cfg: RunConfig) -> ImageDataset | None:
     """The server's test data by run-config test-data: empty = the dataset's test split (simulation, or a
     centre that holds the dataset); a path = that site-layout folder or MedMNIST-layout npz;
-    "federated" = none (None): the sites' validation metrics are the evaluation."""
+    "federated" = none (None): the sites' validation metrics are the evaluation. With dataset sites:<dir>
+    (test-data then given) the site folders are checked here, before any site is waited for."""
+    if sites_dir(cfg.dataset) is not None:
+        site_folders(cfg)
     if cfg.test_data == FEDERATED_EVALUATION:
         return None
     if cfg.test_data:

@@ -13,6 +13,10 @@ A data dir holds exactly one of these layouts:
   `num-partitions` the site takes that share of it (the simulated partition), otherwise all of its
   training split.
 
+With run-config `dataset = "sites:<dir>"` a simulation reads the same folders: simulated SuperNode k
+reads the k-th site folder of <dir> (`site_folders`) exactly as a SuperNode deployed with that folder as
+its data-dir and site-id k would, so the sites' own split is kept and the folders deploy unchanged.
+
 The site keeps `val-fraction` of its data for local validation, drawn with the same seed as a
 simulated site with the same id, so a folder written by `fedskew prepare-sites` splits exactly like
 its simulated twin. Whether labels are multi-label follows run-config `labels`; with `auto` the folder
@@ -33,7 +37,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fedskew.config import RunConfig, check_label_kind
+from fedskew.config import ConfigError, RunConfig, check_label_kind, sites_dir
 from fedskew.data.site_cache import cached_arrays, site_cache_dir
 from fedskew.data.sites import SiteData, load_partition, load_task_dataset, simulated_site, site_validation_split
 from fedskew.data.sources import (
@@ -56,11 +60,11 @@ IMAGES_DIR, LABELS_FILE, CLASSES_FILE, SITE_NPZ = "images", "labels.csv", "class
 LABELS_HEADER = ["file", "labels"]
 LABEL_SEPARATOR = "|"
 CLASS_ID = re.compile(r"[0-9]{1,9}\Z")
-LAYOUTS = (
+FOLDER_LAYOUTS = (
     f"'{IMAGES_DIR}/' + '{LABELS_FILE}' (header 'file,labels'; labels one class id or several joined by "
-    f"'{LABEL_SEPARATOR}'; optional '{CLASSES_FILE}'), '{SITE_NPZ}' (MedMNIST layout), or the official "
-    "MedMNIST file of the run's medmnist:<name> dataset"
+    f"'{LABEL_SEPARATOR}'; optional '{CLASSES_FILE}') or '{SITE_NPZ}' (MedMNIST layout)"
 )
+LAYOUTS = f"{FOLDER_LAYOUTS}, or the official MedMNIST file of the run's medmnist:<name> dataset"
 
 
 class SiteFolderError(ValueError):
@@ -457,6 +461,65 @@ def permute_rows_in_place(array: np.ndarray, order: np.ndarray) -> None:
                 break
             array[row] = array[source]
             row = source
+
+
+# --- simulated sites on their own folders (dataset = "sites:<dir>") ------------------------------------
+
+
+def site_folders(cfg: RunConfig) -> list[Path]:
+    """The site folders of run-config dataset `sites:<dir>`, site k at index k: every sub-folder of <dir>
+    ordered by name with numbers compared as numbers (site-2 before site-10, as `fedskew prepare-sites`
+    numbers them), leaving out hidden folders and the run's test-data and val-data (the server's data is no
+    site's). A relative <dir> is under data-root, as for npz:<path>. ConfigError naming the path when <dir>
+    is missing, holds no site folder, or a site folder holds neither layout (what is in the files is checked
+    when a site reads them)."""
+    written = sites_dir(cfg.dataset)
+    if written is None:
+        raise ValueError(f"dataset {cfg.dataset!r} is not sites:<dir>; only that dataset has site folders")
+    root = Path(written).expanduser()
+    root = root if root.is_absolute() else Path(cfg.data_root).expanduser() / root
+    where = f"key 'dataset' = {cfg.dataset!r}"
+    if not root.is_dir():
+        raise ConfigError(f"{where}: {root} does not exist or is not a folder; valid: sites:<a folder holding one "
+                          f"sub-folder per site> (a relative folder is under data-root = {cfg.data_root!r})")  # fmt: skip
+    servers = {Path(p).expanduser().resolve() for p in (cfg.test_data, cfg.val_data) if p}
+    folders = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.resolve() not in servers),
+        key=lambda p: [int(part) if part.isdigit() else part for part in re.split(r"([0-9]+)", p.name)],
+    )
+    if not folders:
+        raise ConfigError(f"{where}: {root} holds no site folder (found: {_listing(root)}); valid: one sub-folder "
+                          f"per site, each holding {FOLDER_LAYOUTS}")  # fmt: skip
+    for folder in folders:
+        found = [name for name in (LABELS_FILE, SITE_NPZ) if (folder / name).is_file()]
+        if len(found) != 1:
+            raise ConfigError(f"{where}: site folder {folder} holds {' and '.join(found) or 'neither'} of "
+                              f"{LABELS_FILE} and {SITE_NPZ} (found: {_listing(folder)}); valid: exactly one "
+                              f"layout, {FOLDER_LAYOUTS}")  # fmt: skip
+    return folders
+
+
+def check_site_count(cfg: RunConfig, num_sites: int) -> list[Path]:
+    """The site folders of dataset sites:<dir> when the federation has one SuperNode for each, else
+    ConfigError naming the key, both counts and the valid num-supernodes. The server can call it once it
+    knows how many SuperNodes there are; every simulated site checks it before it reads its folder."""
+    folders = site_folders(cfg)
+    if num_sites != len(folders):
+        names = ", ".join(f.name for f in folders[:5]) + (", ..." if len(folders) > 5 else "")
+        raise ConfigError(
+            f"key 'dataset' = {cfg.dataset!r} holds {len(folders)} site folder(s) ({names}) but the simulation has "
+            f"{num_sites} SuperNode(s); valid: one SuperNode per site folder, --federation-config "
+            f"\"num-supernodes={len(folders)}\""
+        )
+    return folders
+
+
+def folder_site(cfg: RunConfig, site_id: int, num_sites: int) -> DeployedSite:
+    """Simulated site `site_id` of `num_sites` with dataset sites:<dir>: its own folder, read and split
+    exactly as a SuperNode deployed with `data-dir` = that folder and `site-id` = site_id would."""
+    folders = check_site_count(cfg, num_sites)
+    # deployed_site refuses a site id outside 0..num_sites - 1 before it indexes anything.
+    return deployed_site(cfg, {DATA_DIR_KEY: str(folders[site_id]), "site-id": site_id, "num-sites": num_sites})
 
 
 def load_test_set(cfg: RunConfig, path: str | Path) -> ImageDataset:

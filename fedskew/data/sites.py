@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedskew.config import ConfigError, RunConfig, check_label_kind
+from fedskew.config import ConfigError, RunConfig, check_label_kind, sites_dir
 from fedskew.data.mosaic import mosaic_dataset
 from fedskew.data.partition import Partition, make_partition, split_site_validation
 from fedskew.data.sources import ImageDataset, load_source
@@ -34,6 +34,11 @@ class SiteData:
 def load_task_dataset(cfg: RunConfig) -> ImageDataset:
     """The run's dataset after optional mosaicking (train and test splits); ConfigError when its label
     kind does not fit the run config (with `labels = "auto"` only the data can tell)."""
+    if sites_dir(cfg.dataset) is not None:
+        raise ConfigError(
+            f"key 'dataset' = {cfg.dataset!r} names the sites' own folders, not one dataset to partition or to take a "
+            "test split from; valid here: digits, cifar10, medmnist:<name>, npz:<path> or a generated set"
+        )
     dataset = _load_task_dataset(cfg.dataset, cfg.data_root, cfg.image_size, cfg.allow_download, cfg.mosaic_grid, cfg.seed)
     check_label_kind(cfg, dataset.multilabel, f"dataset {cfg.dataset!r}")
     return dataset
@@ -96,10 +101,27 @@ def simulated_site(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
     )
 
 
+def site_in_simulation(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
+    """What simulated SuperNode `site_id` of `num_sites` trains on: with dataset sites:<dir> its own site
+    folder, otherwise its share of the partition."""
+    if sites_dir(cfg.dataset) is None:
+        return simulated_site(cfg, site_id, num_sites)
+    from fedskew.data.site_folder import folder_site  # imported here: site_folder builds on this module
+
+    return folder_site(cfg, site_id, num_sites)
+
+
 def pooled_site_data(cfg: RunConfig, num_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train images, train labels, validation images, validation labels): the union of every site's local
     training and validation splits, exactly what the federation trains and selects on, pooled."""
-    sites = [simulated_site(cfg, k, num_sites) for k in range(num_sites)]
+    sites = [site_in_simulation(cfg, k, num_sites) for k in range(num_sites)]
+    task = {(s.multilabel, s.num_classes, s.train_images.shape[1:]) for s in sites}
+    if len(task) > 1:
+        # Only site folders can differ (a partition shares its dataset's task); site k is the k-th folder.
+        raise ValueError("the sites' data cannot be pooled, their tasks differ: " + "; ".join(
+            f"site {s.site_id}: {'multi' if s.multilabel else 'single'}-label, {s.num_classes} classes, images "
+            f"{tuple(s.train_images.shape[1:])}" for s in sites
+        ))  # fmt: skip
     return (
         np.concatenate([s.train_images for s in sites]),
         np.concatenate([s.train_labels for s in sites]),
