@@ -292,6 +292,24 @@ def node_config_arg(node_config: Mapping[str, Any]) -> str:
     return " ".join(pairs)
 
 
+def logged_node_id(process: FlowerProcess) -> int | None:
+    """The id the SuperLink gave a `flower-supernode` process (from its log), None before it connected."""
+    found = re.search(r"SuperNode ID: (\d+)", process.log_text())
+    return int(found.group(1)) if found else None
+
+
+def wait_node_id(process: FlowerProcess, timeout: float = 60) -> int:
+    """A `flower-supernode` process's node id, once the SuperLink has admitted it."""
+    deadline = time.monotonic() + timeout
+    while (node_id := logged_node_id(process)) is None:
+        if not process.running:
+            raise RuntimeError(f"flower-supernode exited; its log:\n{process.log_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flower-supernode not connected after {timeout} s; see {process.log_path}")
+        time.sleep(0.3)
+    return node_id
+
+
 class SuperNode:
     """`flower-supernode` connected to `link`, with its own FLWR_HOME and Runtime API port; it
     authenticates with `private_key` when given; ClientApps run in subprocesses and inherit `env`; with
@@ -334,19 +352,11 @@ class SuperNode:
     @property
     def node_id(self) -> int | None:
         """The id the SuperLink gave this node (from its log), None before it connected."""
-        found = re.search(r"SuperNode ID: (\d+)", self.process.log_text()) if self.process else None
-        return int(found.group(1)) if found else None
+        return logged_node_id(self.process) if self.process else None
 
     def wait_connected(self, timeout: float = 60) -> int:
         """The node id, once the SuperLink has admitted this node."""
-        deadline = time.monotonic() + timeout
-        while self.node_id is None:
-            if not self.process.running:
-                raise RuntimeError(f"flower-supernode exited; its log:\n{self.process.log_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"flower-supernode not connected after {timeout} s; see {self.process.log_path}")
-            time.sleep(0.3)
-        return self.node_id
+        return wait_node_id(self.process, timeout)
 
     def wait_exit(self, timeout: float = 60) -> int:
         return self.process.process.wait(timeout=timeout)

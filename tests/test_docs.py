@@ -13,7 +13,9 @@ Fenced shell blocks (bash, sh, shell, console) are split into commands; inline c
   the repository files a command names exist;
 - relative links point at existing files and headings.
 
-Pages added later under docs/ are covered by the glob. Nothing here starts Flower or trains.
+The `flower-superlink` and `flower-supernode` commands of a page start for real: its SuperLinks must
+answer and its SuperNodes must join them (docs/deployment.md's, with their TLS and keys, run in order in
+tests/test_deploy.py). Pages added later under docs/ are covered by the glob. Nothing here trains.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from flwr.common.config import parse_config_args
 from system_tools import DEBIAN_PACKAGES, require_tool
 
 from fedskew.config import ConfigError, RunConfig
+from fedskew.deploy import FlowerProcess, offline_env, wait_healthy, wait_node_id
+from fedskew.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -343,6 +347,57 @@ def test_the_docs_hold_commands_and_the_checks_catch_mistakes():
     assert split_commands("A=1 B=2 flwr run . \\\n  --stream # comment\npip install -e . && pytest") == [
         (0, ["flwr", "run", ".", "--stream"]), (1, ["pip", "install", "-e", "."]), (1, ["pytest"])
     ]
+
+
+# --- commands that start Flower processes -------------------------------------------------------------
+
+FLOWER_PROCESSES = ("flower-superlink", "flower-supernode")
+# Its SuperLink, fleet proxy and SuperNodes (TLS, registered keys, signed apps) run in order, with the rest of
+# its bare-metal steps, in tests/test_deploy.py.
+RUN_WITH_THEIR_STEPS = {"docs/deployment.md"}
+PROCESS_PAGES = sorted({c.page for c in ALL_COMMANDS if c.argv[0] in FLOWER_PROCESSES})
+
+
+def test_every_page_with_a_superlink_or_supernode_command_is_run():
+    assert "docs/own-data.md" in PROCESS_PAGES and RUN_WITH_THEIR_STEPS <= set(PROCESS_PAGES)
+
+
+@pytest.mark.parametrize("page", sorted(set(PROCESS_PAGES) - RUN_WITH_THEIR_STEPS))
+def test_documented_superlinks_start_and_documented_supernodes_join_them(page, tmp_path):
+    """A page's `flower-superlink` and `flower-supernode` commands, run as written except that each documented
+    port is moved to a free one (the same documented port always to the same free port) and $PWD is a scratch
+    folder: every SuperLink answers /health and every SuperNode is admitted by one of them, within seconds."""
+    commands = [c for c in ALL_COMMANDS if c.page == page and c.argv[0] in FLOWER_PROCESSES]
+    moved: dict[str, str] = {}
+
+    def local(command: Command) -> list[str]:
+        argv = [token.replace("$PWD", str(tmp_path)) for token in command.argv]
+        for option in ("--port", "--superlink"):
+            if option in argv:
+                host, _, port = argv[argv.index(option) + 1].rpartition(":")
+                argv[argv.index(option) + 1] = ":".join(filter(None, [host, moved.setdefault(port, str(free_port()))]))
+        return argv
+
+    links = [c for c in commands if c.argv[0] == "flower-superlink"]
+    link_ports = [moved.setdefault(c.value_of("--port") or "8000", str(free_port())) for c in links]
+    started = []
+    try:
+        for command, port in zip(links, link_ports):
+            process = FlowerProcess("flower-superlink", local(command), offline_env(tmp_path / "link"), tmp_path / "link.log")
+            started.append(process.start())
+            wait_healthy(process, f"127.0.0.1:{port}", None, timeout=60)
+        for k, command in enumerate(c for c in commands if c.argv[0] == "flower-supernode"):
+            host, _, port = command.value_of("--superlink").rpartition(":")
+            assert host == "127.0.0.1" and port in moved and moved[port] in link_ports, (
+                f"{command}: connects to {host}:{port}; the page's SuperLinks listen on 127.0.0.1 port(s) "
+                f"{[p for p, m in moved.items() if m in link_ports]}"
+            )
+            process = FlowerProcess("flower-supernode", local(command), offline_env(tmp_path / f"node-{k}"), tmp_path / f"node-{k}.log")
+            started.append(process.start())
+            wait_node_id(process, timeout=60)
+    finally:
+        for process in started:
+            process.stop()
 
 
 # --- links ---------------------------------------------------------------------------------------------
