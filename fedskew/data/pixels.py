@@ -1,8 +1,10 @@
 """Pixel storage: images are float32 in [0, 1], or uint8 0-255 where the source stores 8-bit pixels.
 
 uint8 is a quarter of the memory (a site of 5,000 RGB images at 224 px: 0.75 GB instead of 3 GB), so
-8-bit sources stay uint8 until their pixels are used: per batch in the data loaders, per class in
-generator training. This module has no dependencies beyond numpy and torch, so models can use it.
+8-bit sources stay uint8 until their pixels are used, and are scaled there by `unit_float`: per batch in
+the data loaders and in generator training (the class stays uint8 on the device), per class in the
+memorisation audit, per class and channel in the intensity histograms. This module has no dependencies
+beyond numpy and torch, so models can use it.
 """
 
 from __future__ import annotations

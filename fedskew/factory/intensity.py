@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedskew.data.pixels import unit_float
+
 INTENSITY_BINS = 256
 
 
 def class_histograms(images: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Site side: (classes, channels, INTENSITY_BINS) counts of pixel values in [0, 1] per class held
-    (zeros for classes the site lacks)."""
+    (zeros for classes the site lacks); uint8 images (0-255) are counted at their [0, 1] values."""
     channels = images.shape[1]
     counts = np.zeros((num_classes, channels, INTENSITY_BINS))
     for class_id in np.unique(labels):
         members = images[labels == class_id]
         for channel in range(channels):
-            counts[class_id, channel] = np.histogram(members[:, channel], bins=INTENSITY_BINS, range=(0.0, 1.0))[0]
+            # One class's channel at a time is scaled: the site's images stay in their storage type.
+            values = unit_float(members[:, channel])
+            counts[class_id, channel] = np.histogram(values, bins=INTENSITY_BINS, range=(0.0, 1.0))[0]
     return counts
 
 

@@ -376,13 +376,15 @@ def train_site_expert(
     """P2P: train the site's own classifier on its real training images plus synthetic images of the
     classes it lacks (`synthetic`, else drawn here by lacking_class_images); return its weights and metrics."""
     factory = cfg.factory
-    images, labels = unit_float(site.train_images), site.train_labels
+    images, labels = site.train_images, site.train_labels
     synthesis, training = Elapsed(), Elapsed()
     if synthetic is None:
         with timed(synthesis):
             synthetic = lacking_class_images(cfg, site, library, device)
     if synthetic is not None:
-        images, labels = np.concatenate([images, synthetic.images]), np.concatenate([labels, synthetic.labels])
+        # One array for the classifier: the synthetic images are float, so the real ones join them in [0, 1]
+        # (uint8 real images without synthetic ones stay uint8; the loader scales them per batch).
+        images, labels = np.concatenate([unit_float(images), synthetic.images]), np.concatenate([labels, synthetic.labels])
     recipe = dataclasses.replace(ClassifierRecipe.from_config(cfg), epochs=factory.expert_epochs())
     with timed(training):
         model, stats = train_classifier(

@@ -4,8 +4,9 @@ One module holds the whole generator: magnitude-preserving (MP) primitives, the 
 preconditioning wrapper with its uncertainty (logvar) head, the loss, the learning-rate schedule,
 the power-function EMA, the deterministic Heun sampler and the training loop.
 
-Images enter and leave as float32 numpy arrays (N, C, H, W) in [0, 1]; the network works in
-[-1, 1] (sigma_data = 0.5 is stated for that range).
+Training images enter as numpy arrays (N, C, H, W), float32 in [0, 1] or uint8 0-255
+(fedskew.data.pixels); samples leave as float32 in [0, 1]. The network works in [-1, 1]
+(sigma_data = 0.5 is stated for that range).
 """
 
 from __future__ import annotations
@@ -740,16 +741,16 @@ def default_device() -> torch.device:
 
 def _validate_training_data(images: np.ndarray, labels: np.ndarray | None, config: GeneratorConfig) -> None:
     expected = (config.img_channels, config.img_resolution, config.img_resolution)
-    if not isinstance(images, np.ndarray) or images.dtype != np.float32 or images.ndim != 4:
+    if not isinstance(images, np.ndarray) or images.dtype not in (np.float32, np.uint8) or images.ndim != 4:
         raise ValueError(
-            f"images must be a float32 numpy array (N, C, H, W), got "
+            f"images must be a float32 (values in [0, 1]) or uint8 (0-255) numpy array (N, C, H, W), got "
             f"{type(images).__name__} {getattr(images, 'dtype', None)} {getattr(images, 'shape', None)}"
         )
     if images.shape[0] == 0 or images.shape[1:] != expected:
         channels, height, width = expected
         raise ValueError(f"images must have shape (N>0, {channels}, {height}, {width}), got {images.shape}")
-    if not np.isfinite(images).all() or images.min() < 0 or images.max() > 1:
-        raise ValueError(f"image values must be finite and in [0, 1], got range [{images.min()}, {images.max()}]")
+    if images.dtype == np.float32 and (not np.isfinite(images).all() or images.min() < 0 or images.max() > 1):
+        raise ValueError(f"float32 image values must be finite and in [0, 1], got range [{images.min()}, {images.max()}]")
     if config.label_dim == 0:
         if labels is not None:
             raise ValueError("config.label_dim is 0 (unconditional); pass labels=None")
@@ -815,8 +816,9 @@ def train_generator(
 ) -> tuple[Precond, TrainStats]:
     """Train an EDM2 generator from scratch; returns the EMA model (eval mode) and training stats.
 
-    images: float32 (N, C, H, W) in [0, 1]. labels: int class ids (N,) for a conditional config,
-    None for an unconditional one (FederatedFactory trains one unconditional model per class).
+    images: (N, C, H, W), float32 in [0, 1] or uint8 0-255 (kept so on the device, scaled per batch).
+    labels: int class ids (N,) for a conditional config, None for an unconditional one
+    (FederatedFactory trains one unconditional model per class).
     progress(step, total, loss) is called after every step; None silences it. precision: the
     forward and backward passes under bf16 autocast ('bf16'; 'auto' = bf16 on CUDA) or in fp32.
     private: DP-SGD's batches and gradients (always fp32) instead of shuffled epochs and backprop; the
@@ -827,7 +829,9 @@ def train_generator(
     mixed = autocast_dtype(precision, device)
     rng = np.random.default_rng(config.seed)
     torch_rng = torch.Generator(device=device).manual_seed(config.seed)
-    data = unit_float(torch.from_numpy(images)).to(device) * 2 - 1
+    # The class stays in its storage type on the device (uint8: a quarter of float32's memory); each
+    # batch is scaled to the network's [-1, 1] when it is drawn.
+    data = torch.from_numpy(images).to(device)
     class_ids = torch.from_numpy(np.asarray(labels, dtype=np.int64)).to(device) if labels is not None else None
 
     fork_devices = [device] if device.type == "cuda" else []
@@ -846,7 +850,7 @@ def train_generator(
         start = time.perf_counter()
         for step in range(1, total + 1):
             index = torch.from_numpy(next(batches)).to(device)
-            batch = augment(data[index], config.augment_flip, config.augment_rot90, rng)
+            batch = augment(unit_float(data[index]) * 2 - 1, config.augment_flip, config.augment_rot90, rng)
             batch_labels = class_ids[index] if class_ids is not None else None
             if private is None:
                 with torch.autocast(device.type, dtype=mixed or torch.float32, enabled=mixed is not None):
