@@ -67,8 +67,7 @@ def main(grid: Grid, context: Context) -> None:
         elif cfg.method == "centralized":
             train_centralized(cfg, task, num_sites, device, recorder, validation)
         else:
-            run_rounds(grid, cfg, len(survey), sum(int(s["train-size"]) for s in survey.values()), refused, task, test,
-                       validation, recorder, device)  # fmt: skip
+            run_rounds(grid, cfg, survey, task, test, validation, recorder, device)
     except BaseException as exc:
         recorder.write_summary("failed", reason=f"{type(exc).__name__}: {exc}")
         try_write_report(recorder.path)

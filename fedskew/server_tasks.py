@@ -27,6 +27,7 @@ from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.privacy import private_strategy
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
 from fedskew.strategies import build_strategy
+from fedskew.strategies.messages import declared_sites
 from fedskew.training import evaluate, make_loader, train_local
 
 SURVEY = "query.site_survey"
@@ -244,9 +245,7 @@ def make_evaluate_fn(
 def run_rounds(
     grid: Grid,
     cfg: RunConfig,
-    num_sites: int,
-    num_examples: int,
-    refused: dict,
+    survey: dict[int, dict],
     task: TaskShape | ImageDataset,
     test: ImageDataset | None,
     validation: ImageDataset | None,
@@ -254,7 +253,8 @@ def run_rounds(
     device: torch.device,
 ) -> None:
     """The weight-averaging methods (FedNCA-ML and the baselines): the model (resumed when the run is),
-    the method's strategy wrapped for differential privacy when configured, and its rounds."""
+    the method's strategy wrapped for differential privacy when configured, and its rounds. `survey`: the
+    sites that take part (refused ones left out); every reply of theirs is held to what they declared in it."""
     etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = build_model(cfg, task.num_classes, task.image_shape, etf=etf)
@@ -264,11 +264,12 @@ def run_rounds(
     else:  # a resumed run has its weights; pretraining them again would be thrown away
         start_backbone(cfg, model, task.image_shape, device)
     model.to(device)
-    strategy = build_strategy(cfg, num_sites, model, etf=etf)
+    strategy = build_strategy(cfg, len(survey), model, etf=etf)
     thresholds = counted_thresholds(cfg.threshold)
-    strategy.attach(recorder, round_offset=done, refused=set(refused),
+    strategy.attach(recorder, round_offset=done, declared=declared_sites(survey),
                     counts_shape=(len(thresholds), task.num_classes, 3) if task.multilabel else None)  # fmt: skip
-    private_strategy(cfg, strategy, num_sites, num_examples, recorder).start(
+    num_examples = sum(int(s["train-size"]) for s in survey.values())
+    private_strategy(cfg, strategy, len(survey), num_examples, recorder).start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=cfg.num_server_rounds - done,

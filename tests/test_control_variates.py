@@ -19,6 +19,7 @@ from fedskew.drift import control_shifts, gradient_shift, weighted_control
 from fedskew.models.build import build_model, server_etf
 from fedskew.results import RunRecorder
 from fedskew.strategies.fednca import CONTROL_SHIFT_KEY, ETF_KEY, GRADIENT_QUERY, FedNCA
+from fedskew.strategies.recording import TooFewSites
 from fedskew.training import make_loader
 
 CORRECTED = {"method": "fednca", "mosaic-grid": 2, "fednca.control-variates": True}
@@ -137,10 +138,11 @@ def test_the_strategy_sends_each_answering_site_its_correction_and_leaves_out_a_
     assert "site 3: round 1 mean gradient refused: array 'w' holds NaN or infinite values" in dropped["reason"]
     assert recorder.extra["control_variates"] == [{"round": 1, "sites_asked": 3, "sites_corrected": 2}]
 
-    # No site answers: no site trains this round (the model stays as it was), each recorded with the reason.
+    # No site answers: fewer than min-available-sites (1) answered, so the run ends saying so; each site recorded with the reason.
     offline = GradientSites({1: Error(code=0, reason="site went offline"), 2: Error(code=0, reason="site went offline"),
                              3: None})
-    assert strategy.configure_train(2, sent, ConfigRecord(), offline) == []
+    with pytest.raises(TooFewSites, match=r"round 2: 0 of 3 site\(s\) sent a usable mean gradient, fewer than min-available-sites = 1"):
+        strategy.configure_train(2, sent, ConfigRecord(), offline)
     assert [(d["round"], d["reason"]) for d in recorder.dropped[1:]] == [(2, "site went offline")] * 2 + [
         (2, "site 3: round 2 mean gradient missing: no answer within the round timeout (5 s)")]
     assert recorder.extra["control_variates"][1] == {"round": 2, "sites_asked": 3, "sites_corrected": 0}

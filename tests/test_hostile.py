@@ -36,7 +36,7 @@ from fedskew.strategies.factory import (
     generator_payload_limit,
     packed_weights,
 )
-from fedskew.strategies.recording import arrays_layout, update_problem
+from fedskew.strategies.messages import arrays_layout, training_reply_problem
 
 CFG = RunConfig.from_run_config(
     {"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site", "factory.classifier": "small-cnn",
@@ -644,4 +644,4 @@ def test_an_integer_counter_answering_its_averaged_float_is_accepted():
     # After one average the server sends BatchNorm's step counter as a float; a site's model holds it as an
     # int64 and sends that back: the same array, not a malformed one.
     sent = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32)), "bn.num_batches_tracked": Array(np.array(5.0))})
-    assert update_problem(_update(_model_record(1.0)), arrays_layout(sent), "num-examples") is None
+    assert training_reply_problem(_update(_model_record(1.0)), arrays_layout(sent), "num-examples", None) is None

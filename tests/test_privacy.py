@@ -91,13 +91,15 @@ def _server_round(cfg: RunConfig, num_sites: int, sent: dict, replies: list[dict
     inner = RecordedFedAvg(weighted_by_key="unit-weight")
     inner.attach(recorder)
     strategy = private_strategy(cfg, inner, num_sites, 500, recorder)
-    (outgoing, *_) = strategy.configure_train(1, record(sent), ConfigRecord(), SitesOnline(num_sites))
+    outgoing = list(strategy.configure_train(1, record(sent), ConfigRecord(), SitesOnline(num_sites)))
     metrics = MetricRecord({"num-examples": 10, "unit-weight": 1})
-    answers = [Message(RecordDict({"arrays": record(r), "metrics": metrics}), reply_to=outgoing) for r in replies]
-    failures = [Message(Error(code=0, reason="site went offline"), reply_to=outgoing) for _ in range(failed)]
+    answers = [Message(RecordDict({"arrays": record(r), "metrics": metrics}), reply_to=m) for r, m in zip(replies, outgoing)]
+    failing = outgoing[len(replies):len(replies) + failed]
+    failures = [Message(Error(code=0, reason="site went offline"), reply_to=m) for m in failing]
     arrays, _ = strategy.aggregate_train(1, answers + failures)
-    # Flower samples the sites at random: the failures answer the first message, to its site
-    return arrays, {**recorder.extra["privacy"], "dropped": recorder.dropped, "asked": str(outgoing.metadata.dst_node_id)}
+    # Flower samples the sites at random: the failures answer the last messages, to their sites
+    return arrays, {**recorder.extra["privacy"], "dropped": recorder.dropped,
+                    "asked": ",".join(str(m.metadata.dst_node_id) for m in failing)}
 
 
 def test_server_clipping_bounds_each_site_keeps_counters_out_and_accounts_a_dropout(flower_identity, tmp_path):

@@ -12,7 +12,8 @@ from fedskew.client_tasks import UNIT_WEIGHT_KEY
 from fedskew.config import FEDERATED_METHODS, RunConfig
 from fedskew.strategies.drift import FedDyn, Scaffold
 from fedskew.strategies.fednca import FedNCA
-from fedskew.strategies.recording import EXAMPLES_KEY, RecordingMixin
+from fedskew.strategies.messages import EXAMPLES_KEY
+from fedskew.strategies.recording import RecordingMixin
 
 
 class RecordedFedAvg(RecordingMixin, FedAvg):
@@ -87,6 +88,7 @@ def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.
         min_evaluate_nodes=min(cfg.min_available_sites, num_sites),
         min_available_nodes=min(cfg.min_available_sites, num_sites),
         weighted_by_key=weight_key(cfg),
+        timeout=cfg.round_timeout,  # every wait for the sites, availability included
     )
     if cfg.method == "fedavg":
         return RecordedFedAvg(**common)
@@ -94,8 +96,7 @@ def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.
         return RecordedFedProx(proximal_mu=cfg.proximal_mu, **common)
     if cfg.method == "fednca":
         trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
-        return FedNCA(etf, control_layout=trainable if cfg.fednca.control_variates else None, timeout=cfg.round_timeout,
-                      **common)
+        return FedNCA(etf, control_layout=trainable if cfg.fednca.control_variates else None, **common)
     if cfg.method in SERVER_OPTIMISERS:
         # Reddi et al.'s adaptive server optimisers; Flower's momentum and tau defaults are theirs.
         buffers = frozenset(model.state_dict()) - {name for name, _ in model.named_parameters()}

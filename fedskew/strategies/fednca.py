@@ -21,7 +21,8 @@ from flwr.serverapp.strategy import FedAvg
 from fedskew.drift import control_shifts
 from fedskew.models.fednca import etf_fingerprint
 from fedskew.results import RunRecorder
-from fedskew.strategies.recording import Layout, RecordingMixin, update_problem
+from fedskew.strategies.messages import Layout, training_reply_problem
+from fedskew.strategies.recording import RecordingMixin
 
 ETF_KEY = "etf"
 CONTROL_SHIFT_KEY = "control-shift"  # a site's c - c_i, sent with its training message
@@ -29,15 +30,13 @@ GRADIENT_QUERY = "query.fednca_gradient"
 
 
 class FedNCA(RecordingMixin, FedAvg):
-    def __init__(self, etf: torch.Tensor, control_layout: Layout | None = None, timeout: float | None = None,
-                 **fedavg_kwargs):
-        """`control_layout` (the trainable parameters' names and shapes) turns on fednca.control-variates; `timeout`
-        bounds the wait for the sites' gradients, as Flower's own timeout bounds the round's other exchanges."""
-        super().__init__(**fedavg_kwargs)
+    def __init__(self, etf: torch.Tensor, control_layout: Layout | None = None, **strategy_kwargs):
+        """`control_layout` (the trainable parameters' names and shapes) turns on fednca.control-variates; the
+        wait for the sites' gradients is bounded by the strategy's `timeout`, like every other wait."""
+        super().__init__(**strategy_kwargs)
         self.etf_record = ArrayRecord({ETF_KEY: etf.detach().cpu().contiguous()})
         self.etf_crc32 = etf_fingerprint(etf)
         self.control_layout = control_layout
-        self.timeout = timeout
 
     def attach(self, recorder: RunRecorder, **options) -> None:
         super().attach(recorder, **options)
@@ -73,9 +72,9 @@ class FedNCA(RecordingMixin, FedAvg):
 
     def prepare_train(self, server_round: int, arrays: ArrayRecord, grid: Grid, messages: list[Message]) -> list[Message]:
         """With control variates: ask the sites about to train for their mean gradients at `arrays`, and send each site
-        that answered usably its correction c - c_i. A site whose answer is missing or unusable (`update_problem`:
+        that answered usably its correction c - c_i. A site whose answer is missing or unusable (`training_reply_problem`:
         wrong arrays, NaN, a bad weight) is recorded as dropped with the reason and sits the round out, so every
-        site that trains is corrected against the same c."""
+        site that trains is corrected against the same c; fewer usable answers than min-available-sites end the run."""
         if self.control_layout is None:
             return messages
         trainees = [msg for msg in messages if msg.metadata.message_type == MessageType.TRAIN]
@@ -85,16 +84,13 @@ class FedNCA(RecordingMixin, FedAvg):
             for msg in trainees
         ]))
         replies = self._count_in(server_round, grid.send_and_receive(queries, timeout=self.timeout))
-        for node in sorted({q.metadata.dst_node_id for q in queries} - {int(self._site_of(m)) for m in replies}):
-            self._refuse(server_round, str(node), f"site {node}: round {server_round} mean gradient missing: no answer "
-                                                  f"within the round timeout ({self.timeout} s)")
-        answers = self._screened(server_round, replies, "mean gradient",
-                                 lambda content: update_problem(content, self.control_layout, self.weighted_by_key))
+        self._record_missing(server_round, "mean gradient")
+        answers = self._screened(server_round, replies, "mean gradient", lambda reply: training_reply_problem(
+            reply.content, self.control_layout, self.weighted_by_key, self._declared_of(reply)))
         answered = {int(self._site_of(m)): m.content for m in answers if not m.has_error()}
         self.recorder.extra.setdefault("control_variates", []).append(
             {"round": server_round, "sites_asked": len(queries), "sites_corrected": len(answered)})
-        if not answered:
-            return []
+        self.require_floor(server_round, len(answered), "mean gradient")
         shifts = control_shifts({node: content["arrays"].to_torch_state_dict() for node, content in answered.items()},
                                    {node: float(content["metrics"][self.weighted_by_key]) for node, content in answered.items()})
         return [

@@ -4,104 +4,26 @@ which sites failed in each round (with their reason)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedskew.client_tasks import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
+from fedskew.client_tasks import VAL_COUNTS_KEY
 from fedskew.results import RunRecorder
-
-
-EXAMPLES_KEY = "num-examples"
-
-
-def summed_counts(reported: dict[str, object], shape: tuple[int, ...]) -> tuple[np.ndarray | None, dict[str, str]]:
-    """(the sum of the sites' validation threshold counts, refused site -> reason). A site's counts must be
-    a list of prod(shape) non-negative integers (thresholds x classes x [tp, fp, fn]); a site whose counts
-    are not is left out of the sum (and so of the round's validation) with the reason. None when no
-    site's counts are usable."""
-    total, refused = np.zeros(shape, dtype=np.int64), {}
-    size = int(np.prod(shape))
-    for site, counts in reported.items():
-        values = np.asarray(counts if isinstance(counts, list) else [], dtype=np.float64)
-        if values.shape != (size,) or not np.all(np.isfinite(values) & (values >= 0) & (values == np.round(values))):
-            found = f"{len(counts)} values" if isinstance(counts, list) else "none"
-            refused[site] = (f"site {site}: validation report refused: '{VAL_COUNTS_KEY}' must be {size} non-negative "
-                             f"integers (thresholds x classes x [tp, fp, fn] = {' x '.join(map(str, shape))}); found "
-                             f"{found}{' (not all non-negative integers)' if values.shape == (size,) else ''}")  # fmt: skip
-            continue
-        total += values.astype(np.int64).reshape(shape)
-    return (total if len(refused) < len(reported) else None), refused
-
-
-Layout = dict[str, tuple[int, ...]]  # array name -> shape
-
-
-def arrays_layout(arrays: ArrayRecord) -> Layout:
-    """The names and shapes of the arrays in a record."""
-    return {name: tuple(array.shape) for name, array in arrays.items()}
-
-
-def update_problem(content: RecordDict, layout: Layout, weight_key: str) -> str | None:
-    """Why a site's training reply cannot be averaged into the model, or None when it can: it must hold one
-    ArrayRecord `arrays` with exactly the arrays of `layout` (same shapes, real numbers, float values
-    finite; integer or float either way, since the average of a site's integer counter arrives as a
-    float) and one MetricRecord `metrics` whose `weight_key` is a finite number > 0. A site that sends
-    anything else (a bug, a damaged message or a forged one) would otherwise abort the round in Flower's
-    averaging, or poison the model with NaN or a huge weight."""
-    if list(content.array_records) != ["arrays"] or list(content.metric_records) != ["metrics"]:
-        return (f"expected one ArrayRecord 'arrays' and one MetricRecord 'metrics', found ArrayRecords "
-                f"{sorted(content.array_records)} and MetricRecords {sorted(content.metric_records)}")
-    arrays = content["arrays"]
-    missing, unknown = sorted(layout.keys() - arrays.keys()), sorted(arrays.keys() - layout.keys())
-    if missing or unknown:
-        return (f"its arrays are not the model's: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
-                f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-    for name, shape in layout.items():
-        try:
-            value = arrays[name].numpy()
-        except Exception as exc:  # any damage to the serialised bytes: refuse the reply, never the round
-            return f"array '{name}' cannot be read ({type(exc).__name__}: {exc})"
-        if value.shape != shape or value.dtype.kind not in "fiu":
-            return f"array '{name}' has shape {value.shape} and dtype {value.dtype}; the model's has shape {shape}, real numbers"
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
-            return f"array '{name}' holds NaN or infinite values"
-    return weight_problem(content["metrics"], weight_key)
-
-
-def weight_problem(metrics: MetricRecord, key: str) -> str | None:
-    weight = metrics.get(key)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-        return f"metric '{key}' must be a finite number > 0, found {weight!r}"
-    return None
-
-
-def report_problem(content: RecordDict, weight_keys: Iterable[str], multilabel: bool) -> str | None:
-    """Why a site's validation reply cannot be averaged, or None when it can: one MetricRecord `metrics` and
-    nothing else, the weights finite and > 0, and the validation report's keys: the threshold counts
-    (multi-label; checked when summed) or accuracies in [0, 1] (single-label). Flower's averaging would
-    otherwise abort the round, or let one site's value stand for all."""
-    if list(content.array_records) or list(content.config_records) or list(content.metric_records) != ["metrics"]:
-        return (f"expected only a MetricRecord 'metrics', found ArrayRecords {sorted(content.array_records)}, "
-                f"ConfigRecords {sorted(content.config_records)}, MetricRecords {sorted(content.metric_records)}")
-    metrics = content["metrics"]
-    for key in weight_keys:
-        if (problem := weight_problem(metrics, key)) is not None:
-            return problem
-    report_keys = (VAL_COUNTS_KEY,) if multilabel else SINGLE_LABEL_VAL_KEYS
-    unexpected = sorted(set(metrics) - set(report_keys) - {EXAMPLES_KEY, UNIT_WEIGHT_KEY})
-    if unexpected or any(key not in metrics for key in report_keys):
-        return f"its metrics are {sorted(metrics)}; a validation report holds {sorted(report_keys)} and the weights"
-    for key in () if multilabel else report_keys:
-        value = metrics[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            return f"metric '{key}' must be a number in [0, 1], found {value!r}"
-    return None
+from fedskew.strategies.messages import (
+    EXAMPLES_KEY,
+    Declared,
+    Layout,
+    arrays_layout,
+    summed_counts,
+    training_reply_problem,
+    validation_report_problem,
+)
 
 
 def payload_nbytes(message: Message) -> int:
@@ -109,33 +31,72 @@ def payload_nbytes(message: Message) -> int:
     return recorddict_to_proto(message.content).ByteSize() if message.has_content() else 0
 
 
+class TooFewSites(RuntimeError):
+    """Fewer sites than min-available-sites answered usably (or were connected) in a round: the run ends."""
+
+
+class ConnectedNodes:
+    """The one Grid call Flower's sampling makes (`get_node_ids`), answered with nodes already chosen, so that
+    its wait for `min_available_nodes` (unbounded in Flower) never starts: RecordingMixin waits instead."""
+
+    def __init__(self, node_ids: list[int]):
+        self.node_ids = node_ids
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+
 class RecordingMixin:
-    """Put before a Flower strategy in the bases: `class X(RecordingMixin, FedAvg)`."""
+    """Put before a Flower strategy in the bases: `class X(RecordingMixin, FedAvg)`. Besides recording, it
+    bounds every wait for the sites by `timeout` (run-config round-timeout) and holds each round to the floor
+    `min_available_nodes` (run-config min-available-sites): fewer sites connected, or fewer usable replies,
+    end the run with TooFewSites naming the round and why the others are missing."""
 
     recorder: RunRecorder
     last_train_metrics: dict
     last_val_metrics: dict
     last_val_counts: np.ndarray | None
+    min_available_nodes: int
+
+    def __init__(self, *args, timeout: float = 3600.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timeout = timeout
 
     def attach(
-        self, recorder: RunRecorder, round_offset: int = 0, refused: set[int] = frozenset(),
+        self, recorder: RunRecorder, round_offset: int = 0, declared: Mapping[int, Declared] | None = None,
         counts_shape: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         """Record into `recorder`; a resumed run numbers its rounds after `round_offset`, so the
-        sites' schedules and seeds continue where the earlier run stopped. `refused` nodes (refused at
-        the site survey) are sent nothing. `counts_shape` (multi-label runs): the shape of the
-        validation threshold counts every site reports; the sites' counts are summed, not averaged."""
+        sites' schedules and seeds continue where the earlier run stopped. `declared`: what each site of
+        the survey declared (fedskew.strategies.messages.declared_sites); only those nodes are sent anything
+        and their replies are held to it (None: every connected node, unbounded, for tests of other parts).
+        `counts_shape` (multi-label runs): the shape of the validation threshold counts every site reports;
+        the sites' counts are summed, not averaged."""
         self.recorder = recorder
         self.round_offset = round_offset
-        self.refused = set(refused)
+        self.declared = None if declared is None else dict(declared)
         self.counts_shape = counts_shape
         self.destinations: dict[str, int] = {}
+        self.asked: set[int] = set()  # the sites of the last exchange, and those of them that replied
+        self.answered: set[int] = set()
         self.last_train_metrics, self.last_val_metrics, self.last_val_counts = {}, {}, None
         self.sent_layout: Layout = {}
         self.accepted_updates = 0
+        if self.declared:
+            # Results name sites by their site id; Flower knows them by node id (bytes, dropouts): the key between.
+            recorder.extra["site_ids"] = {str(node): d.site_id for node, d in sorted(self.declared.items())}
+
+    def site_name(self, node: int | str) -> str:
+        """How logs and reasons name a site: its declared site id beside its node id, when it has one."""
+        declared = (self.declared or {}).get(int(node))
+        return f"site {node}" if declared is None else f"site {declared.site_id} (node {node})"
+
+    def _declared_of(self, reply: Message) -> Declared | None:
+        return None if self.declared is None else self.declared.get(int(self._site_of(reply)))
 
     def _count_out(self, messages: Iterable[Message]) -> list[Message]:
-        messages = [msg for msg in messages if msg.metadata.dst_node_id not in self.refused]
+        messages = [msg for msg in messages if self.declared is None or msg.metadata.dst_node_id in self.declared]
+        self.asked, self.answered = {msg.metadata.dst_node_id for msg in messages}, set()
         for msg in messages:
             self.destinations[msg.object_id] = msg.metadata.dst_node_id
             self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
@@ -147,14 +108,24 @@ class RecordingMixin:
         return str(self.destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
 
     def _count_in(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """Count the replies' bytes; a site that answered with an error is recorded as dropped with the reason."""
         replies = list(replies)
         for msg in replies:
             site = self._site_of(msg)
+            self.answered.add(int(site))
             if msg.has_error():
-                self.recorder.record_dropout(server_round, site, msg.error.reason)
+                self._drop(server_round, site, msg.error.reason)
             else:
                 self.recorder.count_bytes("received", site, payload_nbytes(msg))
         return replies
+
+    def _record_missing(self, server_round: int, what: str) -> None:
+        """Record every site asked in the last exchange that sent no reply at all (not even an error) as dropped:
+        the round timeout passed first."""
+        for node in sorted(self.asked - self.answered):
+            self._refuse(server_round, str(node), f"{self.site_name(node)}: round {server_round} {what} missing: no "
+                                                  f"answer within the round timeout ({self.timeout} s)")
+        self.answered |= self.asked
 
     def extend_messages(self, messages: Iterable[Message]) -> Iterable[Message]:
         """Hook for strategies that send more than the base strategy (counted as sent)."""
@@ -165,45 +136,85 @@ class RecordingMixin:
         variates); the training messages to send."""
         return messages
 
+    def available_sites(self, grid: Grid, server_round: int) -> ConnectedNodes:
+        """The connected nodes to ask this round (those of the survey when there is one), once at least
+        `min_available_nodes` are connected; after `timeout` s with fewer, TooFewSites."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            nodes = sorted(n for n in grid.get_node_ids() if self.declared is None or n in self.declared)
+            if len(nodes) >= self.min_available_nodes:
+                return ConnectedNodes(nodes)
+            if time.monotonic() >= deadline:
+                raise TooFewSites(f"round {server_round}: {len(nodes)} site(s) connected after the round timeout "
+                                  f"({self.timeout} s), fewer than min-available-sites = {self.min_available_nodes}")
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def require_floor(self, server_round: int, usable: int, what: str) -> None:
+        """End the run when fewer than `min_available_nodes` sites sent a usable `what` this round (sites were
+        asked); the reasons of the round's dropouts say why the others did not."""
+        if not self.asked or usable >= self.min_available_nodes:
+            return
+        lost = [d["reason"] if d["reason"].startswith("site ") else f"{self.site_name(d['site'])}: {d['reason']}"
+                for d in self.recorder.dropped if d["round"] == server_round]
+        raise TooFewSites(f"round {server_round}: {usable} of {len(self.asked)} site(s) sent a usable {what}, fewer than "
+                          f"min-available-sites = {self.min_available_nodes} (a floor for every round). "
+                          + " | ".join(lost))  # fmt: skip
+
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         self.sent_layout = arrays_layout(arrays)
         server_round += self.round_offset
-        messages = self.extend_messages(super().configure_train(server_round, arrays, config, grid))
+        nodes = self.available_sites(grid, server_round)
+        messages = self.extend_messages(super().configure_train(server_round, arrays, config, nodes))
         return self._count_out(self.prepare_train(server_round, arrays, grid, list(messages)))
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
-        return self._count_out(self.extend_messages(super().configure_evaluate(server_round + self.round_offset, arrays, config, grid)))
+        server_round += self.round_offset
+        self.asked = set()
+        if self.fraction_evaluate == 0.0:  # no federated evaluation: nobody to wait for
+            return []
+        nodes = self.available_sites(grid, server_round)
+        return self._count_out(self.extend_messages(super().configure_evaluate(server_round, arrays, config, nodes)))
 
     def reply_layout(self) -> Layout:
         """The arrays a site's training reply must hold: the model sent (SCAFFOLD adds its control deltas)."""
         return self.sent_layout
 
     def _screen_updates(self, server_round: int, replies: list[Message]) -> list[Message]:
-        """Training replies that cannot be averaged (`update_problem`) are recorded as dropped, with the
+        """Training replies that cannot be averaged (`training_reply_problem`) are recorded as dropped, with the
         reason, and left out; the round goes on with the others."""
-        kept = self._screened(server_round, replies, "update", lambda content: update_problem(
-            content, self.reply_layout(), self.weighted_by_key))
+        kept = self._screened(server_round, replies, "update", lambda reply: training_reply_problem(
+            reply.content, self.reply_layout(), self.weighted_by_key, self._declared_of(reply)))
         self.accepted_updates = sum(not reply.has_error() for reply in kept)
         return kept
 
-    def _screened(self, server_round: int, replies: list[Message], what: str, problem_of) -> list[Message]:
+    def _screened(self, server_round: int, replies: list[Message], what: str,
+                  problem_of: Callable[[Message], str | None]) -> list[Message]:  # fmt: skip
         kept = []
         for reply in replies:
-            problem = None if reply.has_error() else problem_of(reply.content)
+            problem = None if reply.has_error() else problem_of(reply)
             if problem is None:
                 kept.append(reply)
                 continue
             site = self._site_of(reply)
-            self._refuse(server_round, site, f"site {site}: round {server_round} {what} refused: {problem}")
+            self._refuse(server_round, site, f"{self.site_name(site)}: round {server_round} {what} refused: {problem}")
         return kept
+
+    def _drop(self, server_round: int, site: str, reason: str) -> None:
+        self.recorder.record_dropout(server_round, site, reason)
+        declared = (self.declared or {}).get(int(site))
+        if declared is not None:
+            self.recorder.dropped[-1]["site-id"] = declared.site_id
 
     def _refuse(self, server_round: int, site: str, reason: str) -> None:
         print(reason, flush=True)
-        self.recorder.record_dropout(server_round, site, reason)
+        self._drop(server_round, site, reason)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         server_round += self.round_offset
-        replies = self._screen_updates(server_round, self._count_in(server_round, replies))
+        replies = self._count_in(server_round, replies)
+        self._record_missing(server_round, "training reply")
+        replies = self._screen_updates(server_round, replies)
+        self.require_floor(server_round, self.accepted_updates, "training reply")
         arrays, metrics = super().aggregate_train(server_round, replies)
         self.last_train_metrics = dict(metrics) if metrics is not None else {}
         return arrays, metrics
@@ -211,27 +222,34 @@ class RecordingMixin:
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.round_offset
         weights = {self.weighted_by_key, EXAMPLES_KEY}
-        replies = self._screened(server_round, self._count_in(server_round, replies), "validation report",
-                                 lambda content: report_problem(content, weights, self.counts_shape is not None))
+        replies = self._count_in(server_round, replies)
+        self._record_missing(server_round, "validation report")
+        replies = self._screened(server_round, replies, "validation report", lambda reply: validation_report_problem(
+                                     reply.content, weights, self.counts_shape is not None, self._declared_of(reply)))
         replies = self._sum_counts(server_round, replies)
+        self.require_floor(server_round, sum(not m.has_error() for m in replies), "validation report")
         metrics = super().aggregate_evaluate(server_round, replies)
         if metrics is not None and self.weighted_by_key != EXAMPLES_KEY:
             # Validation metrics pick the best round: always weighted by examples, whatever the model averaging.
             metrics = aggregate_metricrecords([m.content for m in replies if not m.has_error()], EXAMPLES_KEY)
         self.last_val_metrics = dict(metrics) if metrics is not None else {}
-        # Flower averaged the counts like any metric; what the round's threshold is chosen on is their sum.
+        # Flower averaged the counts like any metric; what the round's threshold is chosen on is their sum
+        # (last_val_counts). Nor are they returned: Flower logs what is, and they are hundreds of numbers a round.
         self.last_val_metrics.pop(VAL_COUNTS_KEY, None)
-        return metrics
+        return None if metrics is None else MetricRecord(self.last_val_metrics)
 
     def _sum_counts(self, server_round: int, replies: list[Message]) -> list[Message]:
         """Sum the sites' validation threshold counts into last_val_counts; replies whose counts are
-        malformed are recorded as dropped and left out of the round's validation."""
+        malformed or beyond what the site declared are recorded as dropped and left out of the round's
+        validation."""
         self.last_val_counts = None
         if self.counts_shape is None:
             return replies
         # Screened replies: each holds its MetricRecord "metrics".
-        reported = {self._site_of(m): m.content["metrics"].get(VAL_COUNTS_KEY) for m in replies if not m.has_error()}
-        self.last_val_counts, refused = summed_counts(reported, self.counts_shape)
-        for site, reason in refused.items():
-            self._refuse(server_round, site, reason)
+        usable = [m for m in replies if not m.has_error()]
+        reported = {self._site_of(m): m.content["metrics"].get(VAL_COUNTS_KEY) for m in usable}
+        self.last_val_counts, refused = summed_counts(reported, self.counts_shape,
+                                                      {self._site_of(m): self._declared_of(m) for m in usable})
+        for site, problem in refused.items():
+            self._refuse(server_round, site, f"{self.site_name(site)}: round {server_round} validation report refused: {problem}")
         return [m for m in replies if m.has_error() or self._site_of(m) not in refused]
