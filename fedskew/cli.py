@@ -67,6 +67,11 @@ def run_prepare_sites(args: argparse.Namespace) -> int:
     for k in range(args.sites):
         print(f"  flower-supernode ... --node-config \"data-dir='{out / f'site-{k}'}' site-id={k} num-sites={args.sites}\"")
     print(f"and give the server its test set with --run-config \"test-data='{out / 'server-test'}'\"")
+    # The same folders, simulated: each simulated SuperNode reads one of them (dataset sites:<dir>).
+    labels = "" if cfg.labels == "auto" else f" labels='{cfg.labels}'"
+    print("or simulate the federation on these folders first:")
+    print(f"  flwr run . --run-config \"dataset='sites:{out}' test-data='{out / 'server-test'}' mosaic-grid=0{labels}\" "
+          f"--federation-config \"num-supernodes={args.sites}\"")  # fmt: skip
     return 0
 
 

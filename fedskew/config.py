@@ -171,7 +171,8 @@ class FactorySection(_Section):
         -1.0, ge=-1, le=1, description="A site withholds each generator whose audit share (samples closer to a "
         "training image than 1/3 of their distance to the nearest held-out image) exceeds this, uploads the rest, "
         "and refuses when none is left (0 = off; -1 = "
-        f"{DEPLOYED_MAX_MEMORIZATION} at a site that runs from a data-dir, off in simulation)."
+        f"{DEPLOYED_MAX_MEMORIZATION} at a site that runs from its own folder (a data-dir, or dataset sites:<dir>), "
+        "off on a simulated partition)."
     )
 
     @field_validator("max_memorization")
@@ -546,11 +547,9 @@ class RunConfig(_Section):
     @property
     def label_kind(self) -> str | None:
         """"multi" or "single" when the config alone decides it (labels key, mosaic-grid, a named
-        dataset); None when only the data can tell (an npz file, a deployed site's folder)."""
+        dataset); None when only the data can tell (an npz file, a deployed site's folder, sites:<dir>)."""
         if self.labels != "auto":
             return self.labels
-        if sites_dir(self.dataset) is not None:
-            return None
         if self.mosaic_grid >= 2:
             return "multi"
         kind, _, name = self.dataset.partition(":")

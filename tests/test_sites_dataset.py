@@ -5,11 +5,13 @@ they are."""
 
 import csv
 import json
+import shlex
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from fedskew.cli import main as cli_main
 from fedskew.client_tasks import load_site, site_survey
 from fedskew.config import ConfigError, RunConfig, check_label_kind
 from fedskew.data.site_folder import check_site_count, prepare_sites, read_labelled_folder, site_folders
@@ -127,6 +129,19 @@ def test_folders_written_by_prepare_sites_simulate_as_the_partition_they_came_fr
         site, twin = load_site(cfg, {"partition-id": k, "num-partitions": 3}), simulated_site(source, k, 3)
         for field in ("train_images", "train_labels", "val_images", "val_labels"):
             np.testing.assert_array_equal(getattr(site, field), getattr(twin, field))
+
+
+def test_prepare_sites_prints_a_simulation_on_its_folders_that_parses_and_fits_them(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli_main(["prepare-sites", "--sites", "2", "--out", str(out), "--format", "npz", "--mosaic-grid", "0",
+                     "--partition", "iid", "--labels", "single"]) == 0  # fmt: skip
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("flwr run")]
+    words = shlex.split(line)
+    assert words[words.index("--federation-config") + 1] == "num-supernodes=2"
+    run = dict(word.split("=", 1) for word in shlex.split(words[words.index("--run-config") + 1]))
+    cfg = RunConfig.from_run_config({"method": "fedavg", **{k: int(v) if v.isdigit() else v for k, v in run.items()}})
+    assert (cfg.dataset, cfg.labels, cfg.test_data) == (f"sites:{out}", "single", str(out / "server-test"))
+    assert check_site_count(cfg, 2) == [out / "site-0", out / "site-1"]
 
 
 def test_the_node_count_must_match_the_site_folders(tmp_path):
