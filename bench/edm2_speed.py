@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.models import edm2
+from fedskew.models.edm2 import network as edm2_network, training as edm2_training
 from fedskew.models.edm2 import (
     ADAM_BETAS, ADAM_EPS, CHANNELS_PER_HEAD, CPU_PRESET, SIGMA_DATA, SILU_RMS, Block, GeneratorConfig, build_generator,
     UNet, cpu_preset, resample, train_generator,
@@ -107,7 +107,7 @@ def unoptimised():
     """Context in which EDM2 runs un-optimised: `published_block_forward` and `published_normalize` in
     every layer, activations in the default (channels-first) memory format."""
     with mock.patch.object(Block, "forward", published_block_forward), \
-            mock.patch.object(edm2, "normalize", published_normalize), \
+            mock.patch.object(edm2_network, "normalize", published_normalize), \
             mock.patch.object(UNet, "memory_format", torch.contiguous_format):  # fmt: skip
         yield
 
@@ -121,7 +121,7 @@ def compiled(cache_dir: str):
     import torch._inductor.config  # only here: importing the compiler takes seconds
 
     cache = {}
-    loss = edm2.edm2_loss
+    loss = edm2_training.edm2_loss
 
     def compiled_loss(net, *args):
         if net not in cache:
@@ -130,7 +130,7 @@ def compiled(cache_dir: str):
 
     with mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache_dir}), \
             mock.patch.object(torch._inductor.config, "compile_threads", 1), \
-            mock.patch.object(edm2, "edm2_loss", compiled_loss):  # fmt: skip
+            mock.patch.object(edm2_training, "edm2_loss", compiled_loss):  # fmt: skip
         yield
 
 

@@ -518,6 +518,6 @@ def test_optimised_path_matches_the_published_block_on_shared_weights():
 
     # A wrong kernel must fail the bound: keys not normalised (plain dot-product attention).
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr("fedskew.models.edm2.normalize", lambda qkv, dim=None: qkv.clone() if dim == 4 else normalize(qkv, dim))
+        patch.setattr("fedskew.models.edm2.network.normalize", lambda qkv, dim=None: qkv.clone() if dim == 4 else normalize(qkv, dim))
         wrong = copy.deepcopy(net).train()(x, sigma)
     assert (wrong - reference).abs().max().item() > tolerance
