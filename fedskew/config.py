@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 GENERATED_DATASETS = ("deformed-digits", "shapes", "shapes-multi")  # drawn by fedskew.data.synthetic
 MULTILABEL_SOURCES = ("medmnist:chestmnist", "shapes-multi")
@@ -35,6 +37,10 @@ SITES_DATASET = "sites"  # dataset = "sites:<dir>": simulate on the sites' own f
 # With dataset sites:<dir> these keys do not apply: each folder is one site and its images stay where they are.
 SITE_SPLIT_KEYS: tuple[str, ...] = ("partition", "alpha", "classes-per-site", "missing-classes", "min-site-size")
 FEDERATED_EVALUATION = "federated"  # test-data value: no server test set, the sites' validation metrics
+# Upper bounds of counts: far above any run (a federation of 10,000 sites, 100,000 classes, a site of 10^9
+# images) and below what would only make a run wait forever or allocate without end.
+MAX_SITES, MAX_CLASSES, MAX_SITE_IMAGES = 10_000, 100_000, 1_000_000_000
+MAX_ROUND_TIMEOUT = 30 * 24 * 3600.0  # a FederatedFactory round trains every generator of a site in one reply
 
 
 # How a run config saved by an earlier version reads today: keys added since, at the value that reproduces the
@@ -59,7 +65,20 @@ def _kebab(name: str) -> str:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(alias_generator=_kebab, populate_by_name=True, extra="forbid", frozen=True)
+    # No inf/NaN in any float key: an infinite timeout or weight is never a setting, only a typo or an attack.
+    model_config = ConfigDict(alias_generator=_kebab, populate_by_name=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_and_booleans_kept_apart(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `true` as the count 1 and 1 or "yes" as `true`: a TOML value of the wrong
+        # type is a mistake in the config, never meant as the other type.
+        annotation = cls.model_fields[info.field_name].annotation
+        if annotation in (int, float) and isinstance(value, bool):
+            raise PydanticCustomError("bool_for_number", f"Input should be {'an integer' if annotation is int else 'a number'}, not true/false")
+        if annotation is bool and not isinstance(value, bool):
+            raise PydanticCustomError("bool_type", "Input should be true or false")
+        return value
 
 
 class FedNCASection(_Section):
@@ -375,7 +394,7 @@ class RunConfig(_Section):
     )
     data_root: str = Field("data", description="Folder holding downloaded/placed dataset files.")
     num_classes: int = Field(
-        0, ge=0, le=100000, description="Classes in the label space (0 = from the dataset, or a deployed site's "
+        0, ge=0, le=MAX_CLASSES, description="Classes in the label space (0 = from the dataset, or a deployed site's "
         "classes.txt). Deployed sites without classes.txt need it; sites and server must agree."
     )
     test_data: str = Field(
@@ -408,9 +427,9 @@ class RunConfig(_Section):
         "multilabel-skew", description="How the training data is split over sites."
     )
     alpha: float = Field(0.1, gt=0, le=1e6, description="Dirichlet concentration for `dirichlet` and `multilabel-skew`.")
-    classes_per_site: int = Field(1, ge=1, description="Classes held by each site for `classes-per-site`.")
-    missing_classes: int = Field(3, ge=0, description="Labels absent at each site for `multilabel-skew`.")
-    min_site_size: int = Field(10, ge=1, description="Smallest allowed site training set (partitions are redrawn).")
+    classes_per_site: int = Field(1, ge=1, le=MAX_CLASSES, description="Classes held by each site for `classes-per-site`.")
+    missing_classes: int = Field(3, ge=0, le=MAX_CLASSES, description="Labels absent at each site for `multilabel-skew`.")
+    min_site_size: int = Field(10, ge=1, le=MAX_SITE_IMAGES, description="Smallest allowed site training set (partitions are redrawn).")
     val_fraction: float = Field(0.1, ge=0, lt=0.5, description="Share of each site's data kept for local validation.")
     num_server_rounds: int = Field(60, ge=1, le=10000, description="Federated rounds (centralised: epochs = rounds x local-epochs).")
     local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round at each site.")
@@ -455,10 +474,15 @@ class RunConfig(_Section):
     aggregation: Literal["weighted", "unweighted"] = Field(
         "weighted", description="Average client models weighted by example count, or unweighted."
     )
-    min_available_sites: int = Field(1, ge=1, description="Sites that must answer for a round to proceed.")
-    round_timeout: float = Field(3600.0, gt=0, description="Seconds to wait for site replies in each round.")
+    min_available_sites: int = Field(1, ge=1, le=MAX_SITES, description="Sites that must answer for a round to proceed.")
+    round_timeout: float = Field(
+        3600.0, gt=0, le=MAX_ROUND_TIMEOUT, description="Seconds to wait for site replies in each round."
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data split, partition, model init and training.")
-    results_dir: str = Field("results", description="Where each run writes `<time>-<method>-<dataset>/`.")
+    results_dir: str = Field(
+        "results", description="Where each run writes `<time>-<method>-<dataset>/` (no `..` in the path: the server "
+        "writes there)."
+    )
     log_tensorboard: bool = Field(
         False, description="Also write TensorBoard event files (`tensorboard/` in the run's directory): one scalar "
         "per metric per round. Needs the `tensorboard` package (`pip install 'fedskew[tensorboard]'`)."
@@ -494,6 +518,15 @@ class RunConfig(_Section):
             "medmnist:chestmnist), npz:<path to a MedMNIST-layout .npz>, sites:<folder of site folders> or a "
             "generated set: " + ", ".join(GENERATED_DATASETS)
         )
+
+    @field_validator("results_dir")
+    @classmethod
+    def _results_dir_without_parent_steps(cls, value: str) -> str:
+        # The server creates folders and writes files there: a '..' would let a submitted config climb out of
+        # the folder its operator named.
+        if ".." in re.split(r"[/\\]", value):
+            raise _field_error("results-dir", value, "a path without '..' components (e.g. 'results' or '/srv/fedskew/results')")
+        return value
 
     @field_validator("threshold", mode="before")
     @classmethod

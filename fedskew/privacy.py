@@ -99,12 +99,38 @@ class PrivacyLedger:
         }
 
 
-def earlier_releases(resumed_from: str) -> list[float]:
-    """A resumed run continues the privacy ledger of the run it resumes (its rounds were released)."""
+def check_resumed_privacy(earlier: dict, now: dict) -> None:
+    """ValueError when a run (flat run config `now`) would resume one (`earlier`) under other dp.* settings:
+    the earlier rounds were released as that run's settings say, and a ledger started under others would not
+    cover them (resuming a run trained without DP under DP would report the epsilon of the new rounds only).
+    Both off: nothing was released under DP, the other dp.* keys shaped nothing."""
+    if earlier.get("dp.mode", OFF) == OFF and now["dp.mode"] == OFF:
+        return  # a config saved before dp.* existed ran without DP
+    changed = [f"{key}: {earlier.get(key)!r} -> {now[key]!r}" for key in now if key.startswith("dp.") and earlier.get(key) != now[key]]
+    if changed:
+        raise ValueError(
+            "resume-from: the earlier run released its rounds under other DP settings, which this run's privacy "
+            f"ledger could not account: {'; '.join(changed)}; valid: the earlier run's dp.* settings (or a new run)"
+        )
+
+
+def earlier_releases(resumed_from: str, mode: str) -> list[float]:
+    """A resumed run continues the privacy ledger of the run it resumes (its rounds were released under the
+    same dp.* settings, `check_resumed_privacy`); ValueError when that run's summary holds no ledger of `mode`."""
     if not resumed_from:
         return []
-    summary = json.loads((Path(resumed_from) / "summary.json").read_text())
-    return list(summary.get("privacy", {}).get("noise_multipliers", []))
+    path = Path(resumed_from) / "summary.json"
+    try:
+        ledger = json.loads(path.read_text()).get("privacy")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise ValueError(f"resume-from: cannot read the privacy ledger in {path}: {err}") from None
+    releases = ledger.get("noise_multipliers") if isinstance(ledger, dict) and ledger.get("mode") == mode else None
+    if not (isinstance(releases, list) and all(isinstance(z, (int, float)) and not isinstance(z, bool) and z > 0 for z in releases)):
+        raise ValueError(
+            f"resume-from: {path} holds no privacy ledger of dp.mode = {mode!r} (its 'privacy' entry: {str(ledger)[:200]}); "
+            "the epsilon of its released rounds is unknown; valid: a run directory written under the same dp.* settings"
+        )
+    return [float(z) for z in releases]
 
 
 def adaptive_round_multiplier(update_multiplier: float, clipped_count_stddev: float) -> float:
@@ -265,7 +291,7 @@ def private_strategy(cfg: RunConfig, strategy: Strategy, num_sites: int, num_exa
         return strategy
     private = LocalDpAccounting(strategy, cfg.dp.noise_multiplier) if cfg.dp.mode == LOCAL else _central_wrapper(cfg.dp, strategy, num_sites)
     delta = cfg.dp.delta or 1.0 / max(num_examples, 2)
-    private.ledger = PrivacyLedger(cfg.dp.mode, delta, recorder, earlier_releases(cfg.resume_from))
+    private.ledger = PrivacyLedger(cfg.dp.mode, delta, recorder, earlier_releases(cfg.resume_from, cfg.dp.mode))
     return private
 
 

@@ -24,7 +24,7 @@ from fedskew.data.sites import load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
 from fedskew.models.build import build_model, server_etf, start_backbone
-from fedskew.privacy import private_strategy
+from fedskew.privacy import check_resumed_privacy, private_strategy
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
 from fedskew.strategies import build_strategy
 from fedskew.strategies.messages import declared_sites
@@ -119,6 +119,7 @@ def resume_point(
     differing = [f"{k}: {earlier.get(k)!r} -> {now[k]!r}" for k in RESUME_MUST_MATCH if k in now and earlier.get(k) != now[k]]
     if differing:
         raise ValueError("resume-from: these settings differ from the earlier run's: " + "; ".join(differing))
+    check_resumed_privacy(earlier, now)
     done, state = recorder.continue_from(previous, reference)
     if done >= cfg.num_server_rounds:
         raise ValueError(f"resume-from: the earlier run already completed {done} of num-server-rounds = {cfg.num_server_rounds}")

@@ -247,6 +247,14 @@ def _stack_images(files: list[tuple[int, Path]], image_size: int, labels_path: P
 def _read_image(path: Path, line: int, labels_path: Path) -> np.ndarray:
     if not path.is_file():
         raise SiteFolderError(f"{labels_path} line {line} names {path.name!r}, but {path} does not exist")
+    # A link out of the folder would let whoever writes the folder make the site train on (and, through its
+    # model, leak) any file the site's process can read.
+    folder = labels_path.parent.resolve()
+    if not path.resolve().is_relative_to(folder):
+        raise SiteFolderError(
+            f"{labels_path} line {line} names {path.name!r}, a link to {path.resolve()}, outside the site folder "
+            f"{folder}; valid: image files inside the site folder (copy the image in instead of linking to it)"
+        )
     return decode_image(path, where=f" (line {line} of {labels_path})")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import zipfile
 from dataclasses import dataclass
@@ -237,12 +238,15 @@ def _file_md5(path: str, mtime_ns: int, size: int) -> str:
 def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     """Every array of an npz archive (not cached: the datasets built from it are).
 
-    When train and val images are both uint8 of one shape they are read straight into one buffer and
-    returned merged, as 'train_images' and 'train_labels' with empty val arrays: the merge every caller
-    makes then costs no second copy of the largest array (what keeps a 5,000-image 224 px site under 2 GB)."""
+    Every member's header is checked against the bytes the member holds before any array is allocated
+    (`_checked_headers`). When train and val images are both uint8 of one shape they are read straight into
+    one buffer and returned merged, as 'train_images' and 'train_labels' with empty val arrays: the merge
+    every caller makes then costs no second copy of the largest array (what keeps a 5,000-image 224 px site
+    under 2 GB)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            images = _train_val_images(archive)
+            headers = _checked_headers(archive, os.path.getsize(path))
+            images = _train_val_images(archive, headers)
         with np.load(path, allow_pickle=False) as npz:
             merged = () if images is None else ("train_images", "val_images")
             arrays = {key: npz[key] for key in npz.files if key not in merged}
@@ -254,16 +258,50 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
     return arrays | {"train_images": images, "val_images": images[:0], "train_labels": labels, "val_labels": labels[:0]}
 
 
-def _train_val_images(archive: zipfile.ZipFile) -> np.ndarray | None:
+# zlib's deflate expands at most 1032:1; a member claiming more than that over its stored bytes is forged.
+DEFLATE_MAX_RATIO = 1032
+NpyHeader = tuple[tuple[int, ...], bool, np.dtype]
+
+
+def _checked_headers(archive: zipfile.ZipFile, archive_size: int) -> dict[str, NpyHeader]:
+    """(shape, fortran order, dtype) of every member, by member name without '.npy'. ValueError naming the
+    member when it is not a numeric .npy array (np.savez writes nothing else), or when the size its header
+    declares is not the size of the data it holds: a header is read before anything is allocated, and a
+    1 KB file must not make the reader allocate what its header claims."""
+    headers = {}
+    for info in archive.infolist():
+        name = info.filename
+        if not name.endswith(".npy"):
+            raise ValueError(f"member {name!r} is not a .npy array; valid: an archive of arrays written by numpy.savez")
+        stored_limit = {zipfile.ZIP_STORED: info.compress_size, zipfile.ZIP_DEFLATED: DEFLATE_MAX_RATIO * info.compress_size}
+        if info.compress_type not in stored_limit:
+            raise ValueError(f"member {name!r} uses zip compression method {info.compress_type}; valid: stored or "
+                             "deflated (numpy.savez, numpy.savez_compressed)")  # fmt: skip
+        if info.compress_size > archive_size or info.file_size > stored_limit[info.compress_type]:
+            raise ValueError(
+                f"member {name!r} claims {info.file_size} bytes from {info.compress_size} stored bytes in a "
+                f"{archive_size}-byte file, more than the file can hold (a damaged or forged archive)"
+            )
+        with archive.open(info) as member:
+            shape, _, dtype = header = _npy_header(member)
+            data_bytes = info.file_size - member.tell()
+        if dtype.hasobject:
+            raise ValueError(f"member {name!r} holds Python objects (dtype {dtype}); valid: numeric arrays")
+        if any(side < 0 for side in shape) or math.prod(shape) * dtype.itemsize != data_bytes:
+            raise ValueError(
+                f"member {name!r} declares a {shape} {dtype} array ({math.prod(shape) * dtype.itemsize} bytes) but "
+                f"holds {data_bytes} bytes of data (a damaged or forged archive); valid: arrays written by numpy.savez"
+            )
+        headers[name.removesuffix(".npy")] = header
+    return headers
+
+
+def _train_val_images(archive: zipfile.ZipFile, headers: dict[str, NpyHeader]) -> np.ndarray | None:
     """train then val images in one uint8 buffer, read in place; None when they are not both uint8 arrays of
     one image shape with matching label rows (the general path then reads them and names what is wrong)."""
     names = ("train_images", "val_images", "train_labels", "val_labels")
-    if not all(f"{name}.npy" in archive.namelist() for name in names):
+    if not all(name in headers for name in names):
         return None
-    headers = {}
-    for name in names:
-        with archive.open(f"{name}.npy") as member:
-            headers[name] = _npy_header(member)
     (train, train_fortran, train_dtype), (val, val_fortran, val_dtype) = headers["train_images"], headers["val_images"]
     train_labels, val_labels = headers["train_labels"][0], headers["val_labels"][0]
     if (train_dtype != np.uint8 or val_dtype != np.uint8 or train_fortran or val_fortran or len(train) < 3
@@ -276,7 +314,7 @@ def _train_val_images(archive: zipfile.ZipFile) -> np.ndarray | None:
     return images
 
 
-def _npy_header(member: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+def _npy_header(member: IO[bytes]) -> NpyHeader:
     """(shape, fortran order, dtype) of an open .npy member, which is left at the start of its data."""
     version = np.lib.format.read_magic(member)
     read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

@@ -9,6 +9,7 @@ the state dict) is stored as the tensor `fedskew.etf`; a `factory-p2p` file hold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -113,10 +114,30 @@ def read_model_file(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor
             f"{path} has no '{METADATA_KEY}' metadata header: it holds weights only (written before model files were "
             "self-contained); valid: model.safetensors or model-selected.safetensors of a current run"
         )
-    fields = json.loads(header)
-    if fields.pop("format", None) != FORMAT:
+    try:
+        fields = json.loads(header)
+    except (ValueError, RecursionError) as err:
+        raise ModelFileError(f"{path}: the '{METADATA_KEY}' header is not JSON ({err}); valid: a file fedskew wrote") from None
+    if not isinstance(fields, dict) or fields.pop("format", None) != FORMAT:
         raise ModelFileError(f"{path}: unknown model file format; this fedskew reads {FORMAT}")
     fields.pop("decision", None)  # derived from the other fields
+    card_fields = dataclasses.fields(ModelCard)
+    unknown = sorted(set(fields) - {field.name for field in card_fields})
+    if unknown:
+        raise ModelFileError(
+            f"{path}: the header has unknown field(s) {', '.join(map(repr, unknown))}; known fields: format, decision, "
+            f"{', '.join(field.name for field in card_fields)} (a file of another fedskew version, or an edited one)"
+        )
+    missing = [field.name for field in card_fields if field.default is dataclasses.MISSING and field.name not in fields]
+    if missing:
+        raise ModelFileError(f"{path}: the header lacks the field(s) {', '.join(missing)}; valid: a file fedskew wrote")
+    names, shape = fields["class_names"], fields["image_shape"]
+    if not isinstance(fields["run_config"], dict):
+        raise ModelFileError(f"{path}: the header's 'run_config' is not a JSON object; valid: a file fedskew wrote")
+    if not (isinstance(names, list) and names and all(isinstance(name, str) for name in names)):
+        raise ModelFileError(f"{path}: the header's 'class_names' = {str(names)[:100]} is invalid; valid: a list of names")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape)):
+        raise ModelFileError(f"{path}: the header's 'image_shape' = {str(shape)[:100]} is invalid; valid: [C, H, W], ints > 0")
     threshold = fields.get("threshold")
     if fields.get("label_kind") == "multi" and not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
                                                    and 0 < threshold < 1):  # fmt: skip
