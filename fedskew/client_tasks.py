@@ -61,6 +61,8 @@ def site_survey(cfg: RunConfig, site: SiteData) -> dict:
         "label-counts": label_counts(site.train_labels, [all_idx], site.num_classes)[0].tolist(),
         # A deployed site has no simulated partition (and may not hold the dataset it was drawn from).
         "unassigned": 0 if isinstance(site, DeployedSite) else int(len(load_partition(cfg, site.num_sites).unassigned)),
+        # What the run is named by: the run config's dataset (a partition share of it) or the sites' own folders.
+        "data-source": "site-folder" if isinstance(site, DeployedSite) else "partition",
         # What the server needs to build the model when it holds no test data (test-data = "federated").
         "num-classes": site.num_classes,
         "image-shape": list(site.train_images.shape[1:]),

@@ -161,7 +161,7 @@ def run_report(run_dir: Path) -> str:
     status = str(summary.get("status", "unknown"))
     body = [f'<p>Status: <b class="status-{html.escape(status)}">{html.escape(status)}</b>'
             + (f" ({html.escape(str(summary['reason']))})" if summary.get("reason") else "")
-            + f"; method <b>{_fmt(config.get('method', summary.get('method')))}</b> on <b>{_fmt(config.get('dataset'))}</b>; "
+            + f"; method <b>{_fmt(config.get('method', summary.get('method')))}</b> on <b>{_fmt(summary.get('data', config.get('dataset')))}</b>; "
             f"{_fmt(summary.get('rounds_completed'))} rounds; {_fmt(summary.get('wall_seconds'))} s.</p>"]  # fmt: skip
 
     selected = summary.get("best_round") or (rounds[-1]["round"] if rounds else None)

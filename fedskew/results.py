@@ -114,6 +114,7 @@ class RunRecorder:
     dropped: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     tensorboard: Any = None  # a SummaryWriter with log-tensorboard = true
+    created: datetime | None = None  # when the run started: the time stamp of its folder's name
     # Set by a method whose model is chosen inside its own training (FederatedFactory's classifier
     # epochs on a held-out split): its final round is the selected one, for the reason given here.
     selected_within: str | None = None
@@ -126,11 +127,26 @@ class RunRecorder:
 
     @classmethod
     def create(cls, cfg: RunConfig, multilabel: bool, base: Path | None = None) -> RunRecorder:
-        path = Path(base or cfg.results_dir) / run_dir_name(cfg.method, cfg.dataset)
+        created = datetime.now(timezone.utc)
+        path = Path(base or cfg.results_dir) / run_dir_name(cfg.method, cfg.dataset, created)
         path.mkdir(parents=True, exist_ok=False)
         write_json(path / "config.json", cfg.to_run_config())
         writer = open_tensorboard(path / TENSORBOARD_DIR) if cfg.log_tensorboard else None
-        return cls(path=path, multilabel=multilabel, method=cfg.method, tensorboard=writer)
+        return cls(path=path, multilabel=multilabel, method=cfg.method, tensorboard=writer, created=created,
+                   extra={"data": cfg.dataset})  # fmt: skip
+
+    def name_by_data(self, data: str) -> None:
+        """Name the run by the data it runs on (summary.json's "data", the report's title, the results folder)
+        once the site survey tells it; the folder, created under the run config's dataset so that a run failing
+        before the survey has one too, is renamed."""
+        self.extra["data"] = data
+        path = self.path.with_name(run_dir_name(self.method, data, self.created))
+        if path == self.path:
+            return
+        self.path = self.path.rename(path)
+        if self.tensorboard is not None:  # its event file was opened under the old name
+            self.tensorboard.close()
+            self.tensorboard = open_tensorboard(path / TENSORBOARD_DIR)
 
     # --- communication -------------------------------------------------------------------
     def count_bytes(self, direction: str, site: str, nbytes: int) -> None:

@@ -7,22 +7,23 @@ import sys
 import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid import InMemoryGrid
 
 from fedskew.config import ConfigError, RunConfig
 from fedskew.models.model_file import run_model_card
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
-    agreed_task_shape,
+    SurveyFailed,
+    check_partition,
     load_server_test_set,
     load_server_validation_set,
-    make_evaluate_fn,
-    refuse_sites,
+    one_line,
+    run_data_name,
     run_rounds,
-    survey_sites,
+    survey_federation,
     train_centralized,
     wait_for_sites,
-    write_partition,
 )
 from fedskew.strategies.factory import run_factory
 from fedskew.training import pick_device
@@ -46,16 +47,16 @@ def main(grid: Grid, context: Context) -> None:
     cfg = parse_run_config(context)
     device = pick_device(cfg.device)
     recorder = RunRecorder.create(cfg, multilabel=cfg.label_kind == "multi")
-    print(f"fedskew: {cfg.method} on {cfg.dataset}, results in {recorder.path}", flush=True)
     try:
         test = load_server_test_set(cfg)
         node_ids = wait_for_sites(grid, cfg.min_available_sites, cfg.round_timeout)
-        survey = survey_sites(grid, node_ids, cfg.round_timeout)
-        task, refused = agreed_task_shape(cfg, survey, test)
-        survey = refuse_sites(recorder, survey, refused)
+        if isinstance(grid, InMemoryGrid):  # simulation: the sites' partition is the server's to check first
+            check_partition(cfg, len(node_ids))
+        survey, task, _ = survey_federation(grid, node_ids, cfg, test, recorder)
+        recorder.name_by_data(run_data_name(cfg, survey, task.class_names))
+        print(f"fedskew: {cfg.method} on {recorder.extra['data']}, results in {recorder.path}", flush=True)
         recorder.multilabel = task.multilabel  # with labels = "auto" only the data tells
         recorder.model_card = run_model_card(cfg, task.class_names, task.multilabel, task.image_shape)
-        write_partition(recorder, survey, task.class_names)
         validation = load_server_validation_set(cfg, task)
         num_sites = next(iter(survey.values()))["num-sites"]
         # Flower simulates 2 sites unless told otherwise, and an app cannot change that: say it in the log.
@@ -69,8 +70,14 @@ def main(grid: Grid, context: Context) -> None:
         else:
             run_rounds(grid, cfg, survey, task, test, validation, recorder, device)
     except BaseException as exc:
-        recorder.write_summary("failed", reason=f"{type(exc).__name__}: {exc}")
+        # Found before round 1 (a setting the data rules out, too few usable sites): the message says all.
+        preflight = isinstance(exc, (ConfigError, SurveyFailed))
+        reason = one_line(str(exc) if preflight else f"{type(exc).__name__}: {exc}")
+        recorder.write_summary("failed", reason=reason)
         try_write_report(recorder.path)
+        print(f"fedskew: run failed: {reason}; results in {recorder.path}", flush=True)
+        if preflight:
+            sys.tracebacklimit = 0  # as in parse_run_config: no frame of the server's checks in Flower's log
         raise
     recorder.write_summary("completed")
     recorder.plot_curves()

@@ -4,8 +4,9 @@ methods, server-side evaluation, and the centralised (pooled-data) upper bound."
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +18,15 @@ from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
 from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
-from fedskew.config import FEDERATED_EVALUATION, RunConfig, check_label_kind, current_run_config, sites_dir
+from fedskew.config import (
+    FEDERATED_EVALUATION, MAX_CLASSES, MAX_SITE_IMAGES, MAX_SITES, ConfigError, RunConfig, check_label_kind,
+    current_run_config, sites_dir,
+)
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
 from fedskew.data.site_folder import load_test_set, site_folders
-from fedskew.data.sites import load_task_dataset, pooled_site_data
+from fedskew.data.sites import load_partition, load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
+from fedskew.factory.library import _shown
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
 from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.privacy import check_resumed_privacy, private_strategy
@@ -48,21 +53,145 @@ def wait_for_sites(grid: Grid, minimum: int, timeout: float, poll: float = 1.0) 
         time.sleep(poll)
 
 
-def survey_sites(grid: Grid, node_ids: list[int], timeout: float) -> dict[int, dict]:
-    """Ask every site for its label statistics (counts only: no data leaves a site)."""
+# Flower puts a failed ClientApp's exception in its error reply: "<class 'X'>:<'message'>"; in simulation the
+# message is Ray's whole traceback of the actor, in terminal colours.
+FLOWER_ERROR = re.compile(r"<class '(?P<type>[\w.()]+)'>:<'(?P<message>.*)'>", re.DOTALL)
+TERMINAL_COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+RAISED_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception))(?:: (?P<message>.*))?$", re.MULTILINE)
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, without terminal colour codes or other control characters (a site's text must not
+    steer the server's terminal): a log line, summary.json's reason."""
+    return " ".join("".join(c if c.isprintable() else " " for c in TERMINAL_COLOUR.sub("", text)).split())
+
+
+def site_failure(reason: str) -> str:
+    """The one line that says why a site's ClientApp failed, from Flower's error reply: the exception the
+    site's code raised (the first one a traceback names: the others re-raise it) as `Type: message`."""
+    reason = TERMINAL_COLOUR.sub("", reason)
+    match = FLOWER_ERROR.fullmatch(reason.strip())
+    kind, message = (match["type"], match["message"]) if match else ("", reason)
+    raised = RAISED_LINE.search(message) if "Traceback" in message or 'File "' in message else None
+    if raised:
+        kind, message = raised["type"], raised["message"] or ""
+    kind, message = kind.rsplit(".", 1)[-1], one_line(message)
+    return (f"{kind}: {message}" if kind and message else kind or message) or "(the site gave no reason)"
+
+
+class SurveyRefusal(ValueError):
+    """Why a site's survey reply cannot be used; the site is refused, the run goes on without it."""
+
+
+SURVEY_SIDE_LIMIT = 8192  # pixels per image side: far above any dataset here (MedMNIST+ tops at 224)
+DATA_SOURCES = ("partition", "site-folder")  # a simulated site's share of the dataset, or a deployed site's folder
+
+
+def _whole(record: Mapping, key: str, low: int, high: int) -> int:
+    value = record.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SurveyRefusal(f"'{key}' must be an int in {low}..{high}, found {_shown(value)}")
+    return value
+
+
+def _wholes(record: Mapping, key: str, length: int, high: int) -> list[int]:
+    value = record.get(key)
+    if not (isinstance(value, list) and len(value) == length
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= high for v in value)):  # fmt: skip
+        raise SurveyRefusal(f"'{key}' must be {length} ints in 0..{high}, found {_shown(value)}")
+    return list(value)
+
+
+def parse_survey(record: Mapping | None, cfg: RunConfig) -> dict:
+    """A site's survey reply (its ConfigRecord 'survey' as a mapping; None: the reply has none), checked
+    completely against itself and the run config, as plain Python values under the keys site_survey
+    writes (nothing else is kept); SurveyRefusal says what is wrong. The counts must be counts a site of
+    the size it declares can hold: single-label counts sum to train-size, no multi-label count exceeds
+    it, and the co-occurrence matrix is symmetric with the label counts on its diagonal and no pair
+    counted more often than either of its labels. Whether the site's task (label kind, classes, image
+    shape) is the run's is `agreed_task_shape`'s to decide."""
+    if not isinstance(record, Mapping):
+        raise SurveyRefusal("the reply holds no ConfigRecord 'survey'")
+    num_sites = _whole(record, "num-sites", 1, MAX_SITES)
+    survey = {
+        "site-id": _whole(record, "site-id", 0, num_sites - 1),
+        "num-sites": num_sites,
+        "train-size": _whole(record, "train-size", 1, MAX_SITE_IMAGES),
+        "val-size": _whole(record, "val-size", 0, MAX_SITE_IMAGES),
+        "unassigned": _whole(record, "unassigned", 0, MAX_SITE_IMAGES),
+        "num-classes": _whole(record, "num-classes", 1, MAX_CLASSES),
+        "multilabel": _whole(record, "multilabel", 0, 1),
+    }
+    k, size = survey["num-classes"], survey["train-size"]
+    if cfg.num_classes not in (0, k):
+        raise SurveyRefusal(f"'num-classes' = {k}, but the run config's num-classes = {cfg.num_classes}")
+    if record.get("data-source") not in DATA_SOURCES:
+        raise SurveyRefusal(f"'data-source' must be one of {list(DATA_SOURCES)}, found {_shown(record.get('data-source'))}")
+    survey["data-source"] = record["data-source"]
+    shape = record.get("image-shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in shape)
+            and 1 <= shape[0] <= 4 and all(1 <= side <= SURVEY_SIDE_LIMIT for side in shape[1:])):  # fmt: skip
+        raise SurveyRefusal(f"'image-shape' must be [channels 1..4, height, width 1..{SURVEY_SIDE_LIMIT}], found {_shown(shape)}")
+    survey["image-shape"] = list(shape)
+    counts = survey["label-counts"] = _wholes(record, "label-counts", k, size)
+    if not survey["multilabel"] and sum(counts) != size:
+        raise SurveyRefusal(f"single-label 'label-counts' must sum to train-size = {size}, found {sum(counts)}")
+    if "class-names" in record:  # optional: a site without class names sends none
+        names = record["class-names"]
+        if not (isinstance(names, list) and len(names) == k and all(isinstance(n, str) and 0 < len(n) <= 200 for n in names)
+                and len(set(names)) == k):  # fmt: skip
+            raise SurveyRefusal(f"'class-names' must be {k} distinct names of 1..200 characters, found {_shown(names)}")
+        survey["class-names"] = list(names)
+    if survey["multilabel"]:
+        pairs = np.array(_wholes(record, "cooccurrence", k * k, size), dtype=np.int64).reshape(k, k)
+        if not (np.array_equal(pairs, pairs.T) and np.array_equal(np.diag(pairs), counts)
+                and (pairs <= np.minimum.outer(np.diag(pairs), np.diag(pairs))).all()):  # fmt: skip
+            raise SurveyRefusal("'cooccurrence' must be a symmetric matrix with 'label-counts' on its diagonal and no "
+                                "pair counted more often than either of its labels")
+        survey["cooccurrence"] = pairs.ravel().tolist()
+    elif "cooccurrence" in record:
+        raise SurveyRefusal("'cooccurrence' is sent by multi-label sites only, but this site reports 'multilabel' = 0")
+    return survey
+
+
+def survey_sites(grid: Grid, node_ids: list[int], cfg: RunConfig) -> tuple[dict[int, dict], dict[int, str]]:
+    """Ask every site for its label statistics (counts only: no data leaves a site). Returns (node -> its
+    parsed survey, node -> why it is refused): a site whose ClientApp failed (the one line saying why) or
+    whose reply `parse_survey` refuses."""
     messages = [Message(RecordDict({"config": ConfigRecord()}), message_type=SURVEY, dst_node_id=n) for n in node_ids]
-    survey, failures = {}, []
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    survey, refused = {}, {}
+    for reply in grid.send_and_receive(messages, timeout=cfg.round_timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
-            print(f"site {node} failed the survey: {reply.error.reason}", flush=True)
-            failures.append(f"site {node}: {reply.error.reason}")
+            refused[node] = f"site {node} failed the survey: {site_failure(reply.error.reason)}"
             continue
-        survey[node] = dict(reply.content["survey"])
-    if not survey:
-        # E.g. every site refused the app ("The FAB could not be verified."): the run's status names why.
-        raise RuntimeError(f"no site answered the survey ({'; '.join(failures) or 'no replies'})")
-    return survey
+        try:
+            survey[node] = parse_survey(reply.content.config_records.get("survey"), cfg)
+        except SurveyRefusal as refusal:
+            refused[node] = f"site {node} refused: its survey reply {refusal}"
+    for node in sorted(set(node_ids) - set(survey) - set(refused)):
+        refused[node] = f"site {node} did not answer the survey within round-timeout = {cfg.round_timeout:g} s"
+    return survey, refused
+
+
+class SurveyFailed(ValueError):
+    """Too few sites are left after the survey for the run to go on; the message is one line saying why."""
+
+
+def require_sites(cfg: RunConfig, survey: dict[int, dict], refused: dict[int, str]) -> None:
+    """The run goes on with the sites left after the survey if they are at least min-available-sites;
+    else SurveyFailed, one line. When every site was refused for the same reason (a setting that fails at
+    every site, such as a label space the sites do not hold), the line is that reason."""
+    if len(survey) >= cfg.min_available_sites:
+        return
+    # Each reason reads "site <node> <why>"; without the node, the sites' whys are the same or not.
+    whys = {reason.split(" ", 2)[2] for reason in refused.values()}
+    if not survey and len(whys) == 1:
+        raise SurveyFailed(f"every site ({len(refused)}) {whys.pop()}")
+    raise SurveyFailed(
+        f"{len(survey)} site(s) left after the survey, fewer than min-available-sites = {cfg.min_available_sites}: "
+        + " | ".join(refused[node] for node in sorted(refused))
+    )
 
 
 def refuse_sites(recorder: RunRecorder, survey: dict[int, dict], refused: dict[int, str]) -> dict[int, dict]:
@@ -71,6 +200,54 @@ def refuse_sites(recorder: RunRecorder, survey: dict[int, dict], refused: dict[i
         print(reason, flush=True)
         recorder.record_dropout(0, str(node), reason)
     return {node: s for node, s in survey.items() if node not in refused}
+
+
+def survey_federation(
+    grid: Grid, node_ids: list[int], cfg: RunConfig, test: ImageDataset | None, recorder: RunRecorder
+) -> tuple[dict[int, dict], TaskShape | ImageDataset, dict[int, str]]:
+    """Everything before round 1 that the sites' answers decide: (node -> survey of the sites that take part,
+    the run's task, node -> why a site is refused). A site whose survey failed or is refused (`survey_sites`),
+    or whose task is not the run's (`agreed_task_shape`), is recorded as dropped in round 0 and the run goes on
+    without it, as long as min-available-sites remain (`require_sites`); the partition record is written from
+    the sites that remain."""
+    survey, refused = survey_sites(grid, node_ids, cfg)
+    survey = refuse_sites(recorder, survey, refused)
+    require_sites(cfg, survey, refused)
+    task, mismatched = agreed_task_shape(cfg, survey, test)
+    survey = refuse_sites(recorder, survey, mismatched)
+    refused = {**refused, **mismatched}
+    require_sites(cfg, survey, refused)
+    write_partition(recorder, survey, task.class_names)
+    return survey, task, refused
+
+
+def run_data_name(cfg: RunConfig, survey: dict[int, dict], class_names: tuple[str, ...]) -> str:
+    """What the run is named by (its log, results folder and report): the run config's dataset, unless the
+    sites answered the survey from their own folders while the dataset does not name them (a deployment,
+    where `dataset` keeps its default): then "site-folders-" and the task's class names (their count when
+    the classes are unnamed or their names too long for a folder name)."""
+    if sites_dir(cfg.dataset) is not None or all(s["data-source"] == "partition" for s in survey.values()):
+        return cfg.dataset
+    named = "-".join(class_names)
+    unnamed = class_names == tuple(str(k) for k in range(len(class_names)))
+    return f"site-folders-{len(class_names)}-classes" if unnamed or len(named) > 60 else f"site-folders-{named}"
+
+
+def check_partition(cfg: RunConfig, num_sites: int) -> None:
+    """ConfigError (one line naming the settings) when the run's partition of its dataset over `num_sites`
+    simulated sites cannot be drawn: checked by the server before the survey, since every simulated site
+    draws the same partition and would fail alike."""
+    if sites_dir(cfg.dataset) is not None:
+        return  # each simulated site is one of the sites' folders: nothing is partitioned
+    try:
+        load_partition(cfg, num_sites)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(
+            f"invalid run config: partition = {cfg.partition!r} of dataset {cfg.dataset!r} over {num_sites} sites "
+            f"(num-supernodes) cannot be drawn: {err}"
+        ) from None
 
 
 def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names: tuple[str, ...]) -> None:
@@ -454,5 +631,5 @@ def agreed_task_shape(
                 "classes.txt / images, or set run-config labels, num-classes and image-size"
             )
     if reported and len(refused) == len(reported):
-        raise ValueError("every site was refused: " + " | ".join(refused.values()))
+        raise SurveyFailed("every site was refused: " + " | ".join(refused.values()))
     return (test if test is not None else run), refused

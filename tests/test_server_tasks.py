@@ -102,8 +102,31 @@ def test_flowers_strategy_sums_the_sites_counts_and_records_a_malformed_report_a
     reports = {1: [1, 0, 0, 0, 0, 1], 2: [3, 1, 0, 2, 0, 1], 3: [5, 5]}  # site 3 sends 2 numbers, not 6
     replies = [Message(RecordDict({"metrics": MetricRecord({VAL_COUNTS_KEY: reports[m.metadata.dst_node_id], "num-examples": 4})}),
                        reply_to=m) for m in sent]  # fmt: skip
-    strategy.aggregate_evaluate(1, replies)
+    logged = strategy.aggregate_evaluate(1, replies)
     # Summed, not averaged by Flower, and without site 3, which is recorded as dropped with the reason.
     np.testing.assert_array_equal(strategy.last_val_counts, [[[4, 1, 0]], [[2, 0, 2]]])
     assert VAL_COUNTS_KEY not in strategy.last_val_metrics
+    # Nor in the record Flower logs every round (all that is left of it are the weights).
+    assert logged is not None and VAL_COUNTS_KEY not in logged
     assert [(d["round"], d["site"]) for d in recorder.dropped] == [(1, "3")] and "found 2 values" in recorder.dropped[0]["reason"]
+
+
+def test_a_run_on_the_sites_own_folders_is_named_by_them_not_by_the_default_dataset(tmp_path):
+    from fedskew.report import run_report
+    from fedskew.server_tasks import run_data_name
+
+    cfg = RunConfig()  # a deployment keeps the default dataset, digits, which no site holds
+    folders = {11: {"data-source": "site-folder"}, 12: {"data-source": "site-folder"}}
+    assert run_data_name(cfg, folders, ("effusion", "nodule")) == "site-folders-effusion-nodule"
+    assert run_data_name(cfg, folders, ("0", "1", "2")) == "site-folders-3-classes"  # classes.txt-less sites
+    assert run_data_name(cfg, folders, tuple("x" * 40 for _ in range(2))) == "site-folders-2-classes"
+    assert run_data_name(cfg, {11: {"data-source": "partition"}}, ("0", "1")) == "digits"  # simulated shares of it
+    recorder = RunRecorder.create(cfg, multilabel=True, base=tmp_path)
+    assert recorder.path.name.endswith("-fednca-digits")  # before the survey only the run config names it
+    recorder.name_by_data("site-folders-effusion-nodule")
+    (run,) = tmp_path.iterdir()
+    assert run == recorder.path and run.name.endswith("-fednca-site-folders-effusion-nodule")
+    assert (run / "config.json").is_file()  # written before the survey, moved with the folder
+    recorder.write_summary("completed")
+    assert json.loads((run / "summary.json").read_text())["data"] == "site-folders-effusion-nodule"
+    assert "fednca</b> on <b>site-folders-effusion-nodule</b>" in run_report(run)
