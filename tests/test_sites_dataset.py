@@ -6,9 +6,11 @@ they are."""
 import csv
 import json
 import shlex
+import shutil
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fedskew.cli import main as cli_main
@@ -16,8 +18,8 @@ from fedskew.client_tasks import load_site, site_survey
 from fedskew.config import ConfigError, RunConfig, check_label_kind
 from fedskew.data.site_folder import check_site_count, prepare_sites, read_labelled_folder, site_folders
 from fedskew.data.sites import load_task_dataset, pooled_site_data, simulated_site
-from fedskew.results import run_dir_name
-from fedskew.server_tasks import load_server_test_set
+from fedskew.results import RunRecorder, run_dir_name
+from fedskew.server_tasks import TaskShape, load_server_test_set, train_centralized
 
 SIDE = 8
 CLASSES = ("a", "b", "c", "d")
@@ -216,6 +218,26 @@ def test_the_centralised_bound_pools_the_site_folders_and_nothing_loads_a_whole_
     assert len(load_server_test_set(cfg).test_labels) == 8
     with pytest.raises(ConfigError, match="names the sites' own folders, not one dataset"):
         load_task_dataset(cfg)
+
+
+@pytest.mark.parametrize("test_data", ["server-test", "federated"])
+def test_the_centralised_bound_trains_on_the_folders_and_is_tested_on_test_data(tmp_path, test_data):
+    root = tmp_path / "sites"
+    _single_label_sites(root)
+    if test_data == "federated":
+        shutil.rmtree(root / "server-test")  # else a fourth site: only the run's test-data is left out
+    cfg = _cfg(root, method="centralized", **{"num-server-rounds": 1, "batch-size": 8,
+                                              "test-data": str(root / test_data) if test_data != "federated" else test_data})  # fmt: skip
+    recorder = RunRecorder.create(cfg, multilabel=False, base=tmp_path / "results")
+    task = TaskShape(len(CLASSES), (1, SIDE, SIDE), CLASSES, multilabel=False, name="the site folders")
+    train_centralized(cfg, task, 3, torch.device("cpu"), recorder)
+    rounds = [json.loads(line) for line in (recorder.path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds[1]["train"]["num_examples"] == sum(
+        len(load_site(cfg, {"partition-id": k, "num-partitions": 3}).train_labels) for k in range(3))
+    if test_data == "federated":  # no server test set: the pooled validation splits are the evaluation
+        assert rounds[0]["test"] == {} and rounds[1]["test"] == {} and "val_accuracy" in rounds[1]["val"]
+    else:  # scored on the 8 images of test-data, so every accuracy is a multiple of 1/8
+        assert all(float(r["test"]["accuracy"] * 8).is_integer() for r in rounds)
 
 
 def test_site_folders_of_different_tasks_are_not_pooled(tmp_path):
