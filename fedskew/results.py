@@ -30,6 +30,7 @@ from fedskew.config import SITES_DATASET, ConfigError, RunConfig, sites_dir  # n
 from fedskew.metrics import headline_metric  # noqa: E402
 from fedskew.models.build import weights_mismatch  # noqa: E402
 from fedskew.models.model_file import ModelCard, save_model_file, weights_only  # noqa: E402
+from fedskew.progress import format_duration  # noqa: E402
 
 CHECKPOINT = "model.safetensors"  # the final model (FederatedFactory: the server's classifier)
 SELECTED_MODEL = "model-selected.safetensors"  # the model of the best-validation round
@@ -115,6 +116,7 @@ class RunRecorder:
     extra: dict[str, Any] = field(default_factory=dict)
     tensorboard: Any = None  # a SummaryWriter with log-tensorboard = true
     created: datetime | None = None  # when the run started: the time stamp of its folder's name
+    total_rounds: int | None = None  # the rounds the run will record, when they are known in advance
     # Set by a method whose model is chosen inside its own training (FederatedFactory's classifier
     # epochs on a held-out split): its final round is the selected one, for the reason given here.
     selected_within: str | None = None
@@ -203,6 +205,8 @@ class RunRecorder:
         self.tensorboard.flush()
 
     def round_line(self, entry: dict[str, Any]) -> str:
+        """The run's one progress line a round: its metrics, its time, and with `total_rounds` how far the run is
+        and when it ends at this round's pace."""
         parts = [f"[{self.method}] round {entry['round']:>3}"]
         if "train_loss" in entry["train"]:
             parts.append(f"train loss {entry['train']['train_loss']:.4f}")
@@ -210,6 +214,9 @@ class RunRecorder:
         if "threshold" in entry:
             parts.append(f"threshold {entry['threshold']:.2f}")
         parts.append(f"{entry['round_seconds']:.1f}s")
+        if self.total_rounds and 0 < entry["round"] < self.total_rounds:
+            left = (self.total_rounds - entry["round"]) * entry["round_seconds"]
+            parts.append(f"{entry['round']}/{self.total_rounds} rounds, ETA {format_duration(left)}")
         return " | ".join(parts)
 
     def selection_key(self) -> str:

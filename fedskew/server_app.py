@@ -63,7 +63,9 @@ def main(grid: Grid, context: Context) -> None:
         print(f"fedskew: {len(survey)} site(s) take part (in simulation: --federation-config \"num-supernodes=N\"; "
               "Flower's default is 2)", flush=True)  # fmt: skip
         torch.manual_seed(cfg.seed)
-        if cfg.method in ("factory", "factory-p2p"):
+        factory = cfg.method in ("factory", "factory-p2p")
+        recorder.total_rounds = None if factory else cfg.num_server_rounds  # FederatedFactory counts its own rounds
+        if factory:
             run_factory(grid, cfg, survey, task, test, recorder, device)
         elif cfg.method == "centralized":
             train_centralized(cfg, task, num_sites, device, recorder, validation)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from fedskew.strategies.messages import declared_sites
 from fedskew.training import evaluate, make_loader, train_local
 
 SURVEY = "query.site_survey"
+T = TypeVar("T")
 
 
 def wait_for_sites(grid: Grid, minimum: int, timeout: float, poll: float = 1.0) -> list[int]:
@@ -239,15 +241,19 @@ def check_partition(cfg: RunConfig, num_sites: int) -> None:
     draws the same partition and would fail alike."""
     if sites_dir(cfg.dataset) is not None:
         return  # each simulated site is one of the sites' folders: nothing is partitioned
+    config_checked(f"partition = {cfg.partition!r} of dataset {cfg.dataset!r} over {num_sites} sites (num-supernodes) "
+                   "cannot be drawn", lambda: load_partition(cfg, num_sites))  # fmt: skip
+
+
+def config_checked(what: str, load: Callable[[], T]) -> T:
+    """load(), whose ValueError is about data the run config names (`what`: the key and its value): raised as
+    the ConfigError that ends a run before round 1 with one line, "invalid run config: <what>: <why>"."""
     try:
-        load_partition(cfg, num_sites)
+        return load()
     except ConfigError:
         raise
     except ValueError as err:
-        raise ConfigError(
-            f"invalid run config: partition = {cfg.partition!r} of dataset {cfg.dataset!r} over {num_sites} sites "
-            f"(num-supernodes) cannot be drawn: {err}"
-        ) from None
+        raise ConfigError(f"invalid run config: {what}: {err}") from None
 
 
 def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names: tuple[str, ...]) -> None:
@@ -521,10 +527,10 @@ def load_server_validation_set(cfg: RunConfig, task: TaskShape | ImageDataset) -
     label kind, classes and image shape. None when val-data is empty."""
     if not cfg.val_data:
         return None
-    validation = load_test_set(cfg, cfg.val_data)
+    validation = config_checked(f"val-data = {cfg.val_data!r}", lambda: load_test_set(cfg, cfg.val_data))
     found = (validation.multilabel, validation.num_classes, validation.image_shape)
     if found != (task.multilabel, task.num_classes, task.image_shape):
-        raise ValueError(
+        raise ConfigError(
             f"run-config val-data = {cfg.val_data!r} holds {'multi' if found[0] else 'single'}-label data with "
             f"{found[1]} classes of shape {found[2]}, but the sites' task has {'multi' if task.multilabel else 'single'}"
             f"-label data with {task.num_classes} classes of shape {task.image_shape}; give validation data of the task"
@@ -541,14 +547,14 @@ def load_server_test_set(cfg: RunConfig) -> ImageDataset | None:
     "federated" = none (None): the sites' validation metrics are the evaluation. With dataset sites:<dir>
     (test-data then given) the site folders are checked here, before any site is waited for."""
     if sites_dir(cfg.dataset) is not None:
-        site_folders(cfg)
+        config_checked(f"dataset = {cfg.dataset!r}", lambda: site_folders(cfg))
     if cfg.test_data == FEDERATED_EVALUATION:
         return None
     if cfg.test_data:
-        return load_test_set(cfg, cfg.test_data)
-    dataset = load_task_dataset(cfg)
+        return config_checked(f"test-data = {cfg.test_data!r}", lambda: load_test_set(cfg, cfg.test_data))
+    dataset = config_checked(f"dataset = {cfg.dataset!r}", lambda: load_task_dataset(cfg))
     if cfg.num_classes not in (0, dataset.num_classes):
-        raise ValueError(
+        raise ConfigError(
             f"key 'num-classes' = {cfg.num_classes} is invalid; {dataset.name} has {dataset.num_classes} classes "
             "(valid: 0 or that number)"
         )

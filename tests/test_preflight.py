@@ -2,13 +2,14 @@
 the setting: no traceback, no terminal colours, no round trained."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 from multihot_npz import write_multihot_npz
 
 from fedskew.config import ConfigError, RunConfig
-from fedskew.server_tasks import check_partition, site_failure
+from fedskew.server_tasks import check_partition, load_server_test_set, site_failure
 
 MISSING_LABEL = "missing-classes=3 with 3 sites leaves 3 present-label slots for 4 labels"
 # A simulated site's failed survey as Flower 1.42 replies it (the reason of its Error): Ray's traceback of the
@@ -46,6 +47,17 @@ def test_the_server_finds_an_infeasible_partition_itself(four_labels):
     with pytest.raises(ConfigError, match=f"partition = 'multilabel-skew' of dataset .* over 3 sites .*{MISSING_LABEL}"):
         check_partition(cfg, 3)
     check_partition(cfg, 4)  # 4 x (4 - 3) slots hold the 4 labels
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"dataset": "digits", "method": "fedavg", "num-classes": 7}, "key 'num-classes' = 7 is invalid; digits has 10 classes"),
+    ({"dataset": "shapes", "method": "fedavg", "image-size": 8}, "invalid run config: dataset = 'shapes': shapes at image-size 8 px"),
+    ({"method": "factory"}, "holds multi-label data, which this run config cannot use: key 'method' = 'factory'"),
+], ids=["classes", "image size", "label kind"])  # fmt: skip
+def test_what_only_the_data_rules_out_is_a_config_error_found_by_the_server(four_labels, settings, message):
+    cfg = RunConfig.from_run_config({**four_labels, "partition": "iid", **settings})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_server_test_set(cfg)
 
 
 def test_an_infeasible_partition_ends_the_run_before_round_one_with_one_line(tiny_run_superlink, four_labels, tmp_path):

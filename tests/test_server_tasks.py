@@ -130,3 +130,12 @@ def test_a_run_on_the_sites_own_folders_is_named_by_them_not_by_the_default_data
     recorder.write_summary("completed")
     assert json.loads((run / "summary.json").read_text())["data"] == "site-folders-effusion-nodule"
     assert "fednca</b> on <b>site-folders-effusion-nodule</b>" in run_report(run)
+
+
+def test_the_round_line_says_how_far_the_run_is_and_when_it_ends_at_this_rounds_pace(tmp_path):
+    recorder = RunRecorder.create(RunConfig(), multilabel=True, base=tmp_path)
+    entry = {"round": 1, "round_seconds": 30.0, "train": {"train_loss": 0.5}, "test": {"f1_macro": 0.25}}
+    assert recorder.round_line(entry) == "[fednca] round   1 | train loss 0.5000 | f1_macro 0.2500 | 30.0s"
+    recorder.total_rounds = 4
+    assert recorder.round_line(entry).endswith("| 30.0s | 1/4 rounds, ETA 1m30s")  # 3 rounds of 30 s left
+    assert recorder.round_line({**entry, "round": 4}).endswith("| 30.0s")  # the last one: nothing left
