@@ -258,7 +258,8 @@ class FactorySection(_Section):
     samples_per_class: int = Field(
         0, ge=0, le=1_000_000, description="Synthetic images per class on the server (the paper: 10000; 0 = by "
         f"image side: {SMALL_IMAGE_SAMPLES_PER_CLASS} up to {SMALL_IMAGE_SIDE} px, {LARGE_IMAGE_SAMPLES_PER_CLASS} "
-        "above); a class held by several sites is split in proportion to their image counts."
+        "above); a class held by several sites is split in proportion to their image counts, each capped at the "
+        "other holders' total (no site's claim takes more than half of a shared class)."
     )
 
     def server_samples_per_class(self, image_side: int) -> int:

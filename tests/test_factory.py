@@ -290,11 +290,12 @@ def test_library_round_trip_and_a_tampered_file_is_refused(tmp_path):
 
 
 def test_sampling_plan_splits_a_shared_class_by_image_counts_and_seeds_do_not_depend_on_other_modules():
-    library = Library((make_module(0, 2, count=90), make_module(1, 2, count=30), make_module(1, 7)), 10, (1, 8, 8),
-                      tuple(map(str, range(10))))  # fmt: skip
+    library = Library((make_module(0, 2, count=30), make_module(1, 2, count=10), make_module(2, 2, count=50),
+                       make_module(1, 7)), 10, (1, 8, 8), tuple(map(str, range(10))))  # fmt: skip
     plan = sampling_plan(library, 100, seed=0)
+    # 30 : 10 : 50, the 50 capped at the others' 40 (capped_counts): 37.5, 12.5, 50 -> the earlier tie gets the spare image
     assert [(j.module_id, j.class_id, j.count) for j in plan] == [
-        ("site0-class2", 2, 75), ("site1-class2", 2, 25), ("site1-class7", 7, 100)
+        ("site0-class2", 2, 38), ("site1-class2", 2, 12), ("site2-class2", 2, 50), ("site1-class7", 7, 100)
     ]
     alone = sampling_plan(library.without(["site0-class2"]), 100, seed=0)
     assert {j.module_id: j.seed for j in alone} == {j.module_id: j.seed for j in plan if j.module_id != "site0-class2"}

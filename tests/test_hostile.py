@@ -194,6 +194,41 @@ def test_a_hostile_upload_is_rejected_naming_site_and_reason_and_the_honest_site
     assert re.search(reason, rejection["reason"]), rejection["reason"]
 
 
+def _hostile_site():
+    """tests/hostile_site/sitecustomize.py, the forgery of the real-process hostile site (tests/test_deploy.py)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("hostile_site", Path(__file__).parent / "hostile_site" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HOSTILE_SITE = _hostile_site()
+# What refuses each lie of the real-process hostile site, told alone (one forged message per check).
+FORGED_CHECKS = {
+    "impostor": "claims site-id 0, but its node answered the survey as site 1",
+    "image count": r"declared image-counts \[1000000000000000\] differs",
+    "oversized generator": "declared config .* differs from the server's",
+}
+
+
+@pytest.mark.parametrize("lie", list(HOSTILE_SITE.LIES))
+def test_each_lie_of_the_deployed_hostile_site_is_refused_by_its_own_check(tmp_path, honest, lie):
+    library, (rejection,) = collect(tmp_path, honest, lambda _: HOSTILE_SITE.forged_upload(CFG, 1, SITES[12][1], TASK.image_shape, [lie]))
+    assert [m.module_id for m in library.modules] == ["site0-class0"] and rejection["site-id"] == 1
+    assert re.search(FORGED_CHECKS[lie], rejection["reason"]), rejection["reason"]
+
+
+def test_the_deployed_hostile_sites_upload_without_a_lie_is_accepted_and_with_all_is_refused_as_an_impostor(tmp_path, honest):
+    # Without a lie the forgery is an honest upload of untrained generators: each refusal above is its lie's.
+    library, rejected = collect(tmp_path, honest, lambda _: HOSTILE_SITE.forged_upload(CFG, 1, SITES[12][1], TASK.image_shape, []))
+    assert rejected == [] and [m.module_id for m in library.modules] == ["site0-class0", "site1-class1"]
+    library, (rejection,) = collect(tmp_path, honest, lambda _: HOSTILE_SITE.forged_upload(CFG, 1, SITES[12][1], TASK.image_shape))
+    assert re.search(FORGED_CHECKS["impostor"], rejection["reason"]), rejection["reason"]
+
+
 def test_both_honest_uploads_pass_and_their_counts_come_from_the_survey(tmp_path, honest):
     library, rejected = collect(tmp_path, honest, lambda honest: encode_modules(*honest[1]))
     assert rejected == [] and [(m.module_id, m.image_counts) for m in library.modules] == [("site0-class0", (20,)), ("site1-class1", (30,))]

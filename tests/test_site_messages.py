@@ -6,6 +6,7 @@ checks that the liar is refused with a reason naming it and that the honest site
 is without the liar. Also: every wait for the sites is bounded by the round timeout, and a round with fewer
 usable sites than min-available-sites ends the run with the reason."""
 
+import functools
 import math
 import re
 import tempfile
@@ -323,3 +324,129 @@ def test_only_the_surveyed_sites_are_asked():
     messages = strategy.configure_train(1, arrays_of(SENT), ConfigRecord(), Sites(online=(1, 2, 3, 4)))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 2, 3]
     assert strategy.recorder.extra["site_ids"] == {"1": 0, "2": 1, "3": 2}
+
+
+# --- FederatedFactory: generator uploads, experts, site-validation scores, quotas -------------------------------
+
+from test_hostile import CFG, SITES, TASK, _empty_library, expert_reply, honest, survey_of  # noqa: E402, F401 - honest: a fixture
+from test_hostile import flow as factory_flow  # noqa: E402
+
+from fedskew.factory.library import Library, sampling_plan  # noqa: E402
+from fedskew.factory.site_validation import ClassScores  # noqa: E402
+from fedskew.strategies.factory import encode_modules, packed_weights  # noqa: E402
+from fedskew.strategies.factory_validation import SCORES_KEY, asking  # noqa: E402
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=6)  # fmt: skip
+# Every field of an upload's module metadata that the server derives from the survey and the run config (or, the
+# checksum, from the weights): a different value is a lie. (The memorisation audit is the site's own word.)
+DERIVED_FIELDS = ("site-id", "module-id", "classes", "image-counts", "checksum")
+
+
+def factory_collect(honest, forged_content):
+    """The server's upload round: node 11 (site 0) honest, node 12 (site 1) sends `forged_content`."""
+    return factory_flow(Path(tempfile.mkdtemp()), lambda node, _: forged_content if node == 12 else encode_modules(*honest[0])).collect_library(
+        survey_of(SITES), TASK, CFG)  # fmt: skip
+
+
+@PROPERTY
+@given(data=st.data())
+def test_a_lying_generator_upload_is_refused_and_the_honest_library_is_unchanged(honest, data):
+    import json
+
+    manifest, modules = json.loads(json.dumps(honest[1][0])), honest[1][1]
+    module = manifest["modules"][0]
+    field = data.draw(st.sampled_from(DERIVED_FIELDS + ("config",)))
+    if field == "config":
+        key = data.draw(st.sampled_from(sorted(module["config"])))
+        target, old = module["config"], module["config"][key]
+    else:
+        key, target, old = field, module, module[field]
+    target[key] = data.draw(JSON.filter(lambda v: json.dumps(v, sort_keys=True) != json.dumps(old, sort_keys=True)))
+    library, rejected = factory_collect(honest, encode_modules(manifest, modules))
+    assert [(m.module_id, m.checksum) for m in library.modules] == [("site0-class0", honest[0][1][0].checksum)]
+    assert [(r["node"], r["site-id"]) for r in rejected] == [("12", 1)] and rejected[0]["reason"]
+
+
+@functools.cache
+def expert_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from fedskew.factory.classifier import build_classifier
+
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in build_classifier("small-cnn", TASK.image_shape, 10, 8).state_dict().items()}
+
+
+@settings(PROPERTY, max_examples=25)  # each example builds and loads two experts
+@given(metrics=st.dictionaries(st.sampled_from(["train_loss", "val_accuracy", "site-id", "extra"]),
+                               st.one_of(st.floats(), st.integers(-(2**63), 2**63 - 1)), max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))  # fmt: skip
+def test_a_lying_expert_is_refused_and_the_honest_experts_are_unchanged(metrics, dtype):
+    # Integers beyond int64 cannot cross the wire (Flower's serialisation refuses them at the sender).
+    state = expert_weights(dtype)
+    usable = dtype == torch.float32 and all(
+        isinstance(metrics.get(k), (int, float)) and math.isfinite(metrics[k]) for k in ("train_loss", "val_accuracy"))
+    lie = RecordDict({"expert": packed_weights(state), "metrics": MetricRecord(metrics)})
+    experts, rejected = factory_flow(Path(tempfile.mkdtemp()), lambda node, _: lie if node == 12 else expert_reply()
+                                     ).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)  # fmt: skip
+    # A usable expert is any site's to send (its metrics are recorded, never trusted to name it); an unusable one is refused.
+    assert [(e.node, e.site_id) for e in experts] == [(11, 0), (12, 1)][: 2 if usable else 1]
+    assert [(r["node"], r["site-id"]) for r in rejected] == ([] if usable else [("12", 1)])
+
+
+VALIDATION_SURVEY = {11: {"site-id": 0, "val-size": 12}, 12: {"site-id": 1, "val-size": 9}, 13: {"site-id": 2, "val-size": 10}}
+CLASSES = 3
+
+
+@st.composite
+def split_scores(draw, val_size: int) -> ClassScores:
+    """What a validation split of at most `val_size` images can give a classifier: per class its images, hits and
+    predicted probability sums (each row sums to that class's images)."""
+    counts = np.array(draw(st.lists(st.integers(0, val_size // CLASSES), min_size=CLASSES, max_size=CLASSES)), np.float64)
+    correct = np.array([draw(st.integers(0, int(n))) for n in counts], np.float64)
+    shares = np.array(draw(st.lists(st.integers(1, 5), min_size=CLASSES * CLASSES, max_size=CLASSES * CLASSES)), np.float64)
+    shares = shares.reshape(CLASSES, CLASSES) / shares.reshape(CLASSES, CLASSES).sum(1, keepdims=True)
+    return ClassScores(counts, correct, shares * counts[:, None])
+
+
+def pooled_at_sites(answers: dict[int, ClassScores | RecordDict], survey: dict) -> tuple[ClassScores, list[dict]]:
+    def answer(node, _):
+        reply = answers[node]
+        return reply if isinstance(reply, RecordDict) else RecordDict({SCORES_KEY: MetricRecord(reply.to_metrics())})
+
+    flow = factory_flow(Path(tempfile.mkdtemp()), answer)
+    return asking(flow, survey, CLASSES)({"w": torch.zeros(1)}), flow.recorder.dropped
+
+
+@PROPERTY
+@given(data=st.data())
+def test_lying_site_validation_scores_are_refused_and_the_honest_pool_is_unchanged(data):
+    honest = {node: data.draw(split_scores(VALIDATION_SURVEY[node]["val-size"])) for node in (11, 12)}
+    kind = data.draw(st.sampled_from(["inflated", "inconsistent", "no scores"]))
+    if kind == "inflated":  # more images than the site declared: it would outweigh the honest sites' real images
+        liar = data.draw(split_scores(10))
+        extra = data.draw(st.integers(11, 10**15))
+        lie = ClassScores(liar.counts + [extra, 0, 0], liar.correct + [extra, 0, 0], liar.prob_sums + np.diag([extra, 0, 0]))
+    elif kind == "inconsistent":  # more hits than images
+        liar = data.draw(split_scores(10))
+        lie = ClassScores(liar.counts, liar.counts + 1, liar.prob_sums)
+    else:
+        lie = RecordDict({})
+    pooled, dropped = pooled_at_sites({**honest, 13: lie}, VALIDATION_SURVEY)
+    expected, _ = pooled_at_sites(honest, {n: VALIDATION_SURVEY[n] for n in honest})
+    for field in ("counts", "correct", "prob_sums"):
+        np.testing.assert_array_equal(getattr(pooled, field), getattr(expected, field))
+    assert [(d["site"], d["round"]) for d in dropped] == [("13", 1)] and "site 2 (node 13)" in dropped[0]["reason"]
+
+
+@PROPERTY
+@given(honest=st.lists(st.integers(1, 10**4), min_size=1, max_size=3), claim=st.integers(1, 10**12),
+       quota=st.integers(1, 10**4))  # fmt: skip
+def test_no_survey_claim_takes_more_than_half_of_a_class_another_site_holds(honest, claim, quota):
+    from types import SimpleNamespace
+
+    holders = [SimpleNamespace(module_id=f"site{k}-class2", classes=(2,), image_counts=(n,)) for k, n in enumerate(honest)]
+    liar = SimpleNamespace(module_id="site9-class2", classes=(2,), image_counts=(claim,))
+    library = Library(tuple(holders + [liar]), 10, (1, 8, 8), tuple(map(str, range(10))))
+    plan = {job.module_id: job.count for job in sampling_plan(library, quota, seed=0)}
+    assert sum(plan.values()) == quota
+    assert plan.get("site9-class2", 0) <= math.ceil(quota / 2)  # largest remainders round a half up, never further

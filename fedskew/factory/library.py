@@ -477,6 +477,16 @@ def split_quota(total: int, weights: Sequence[int]) -> list[int]:
     return shares.tolist()
 
 
+def capped_counts(counts: Sequence[int]) -> list[int]:
+    """The weights a shared class's quota is split by: each holder's image count, capped at the other holders'
+    total. The counts are what the sites declared in their survey, which the server cannot check: uncapped, a
+    site claiming 10**12 images of a class took every synthetic image of it; capped, no claim takes more than
+    half of a class another site also holds (nor does an honest site holding more than all the others
+    together). A class with one holder is that holder's whole quota either way."""
+    total = sum(counts)
+    return list(counts) if len(counts) == 1 else [min(n, total - n) for n in counts]
+
+
 def derived_seed(*parts: int) -> int:
     """A 31-bit seed determined by the integers `parts` (and by nothing else)."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] & 0x7FFFFFFF)
@@ -489,14 +499,15 @@ def job_seed(seed: int, module_id: str, class_id: int) -> int:
 
 def sampling_plan(library: Library, samples_per_class: int, seed: int, classes: Iterable[int] | None = None) -> list[SampleJob]:
     """`samples_per_class` images of every covered class (or of `classes`); a class held by several
-    modules is split in proportion to the images each was trained on."""
+    modules is split in proportion to the images each was trained on, each capped at the others' total
+    (`capped_counts`)."""
     wanted = library.covered_classes() if classes is None else sorted(set(classes))
     jobs = []
     for class_id in wanted:
         holders = [(m, m.image_counts[m.classes.index(class_id)]) for m in library.modules if class_id in m.classes]
         if not holders:
             raise ValueError(f"class {class_id} has no generator in the library (covered: {library.covered_classes()})")
-        for (module, _), count in zip(holders, split_quota(samples_per_class, [n for _, n in holders])):
+        for (module, _), count in zip(holders, split_quota(samples_per_class, capped_counts([n for _, n in holders]))):
             if count:
                 jobs.append(SampleJob(module.module_id, class_id, count, job_seed(seed, module.module_id, class_id)))
     return jobs

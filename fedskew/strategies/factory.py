@@ -336,6 +336,7 @@ class FactoryFlow(RecordingMixin):
     def exchange(self, server_round: int, messages: list[Message]) -> list[Message]:
         replies = self.grid.send_and_receive(self._count_out(messages), timeout=self.timeout)
         replies = self._count_in(server_round, replies)
+        self._record_missing(server_round, "reply")
         for reply in replies:
             if reply.has_error():
                 print(f"site {reply.metadata.src_node_id} sent no result: {reply.error.reason}", flush=True)
@@ -573,7 +574,7 @@ def run_factory(
         # Imported here: the validation transport builds on this module's wire format.
         from fedskew.strategies.factory_validation import validate_at_sites
 
-        model, report["site_validation"] = validate_at_sites(flow, sorted(survey), model, checkpoints, cfg, task)
+        model, report["site_validation"] = validate_at_sites(flow, survey, model, checkpoints, cfg, task)
     if cfg.factory.fidelity:
         record_fidelity(cfg, recorder, device)
     server_metrics = test_metrics(model, test, device)

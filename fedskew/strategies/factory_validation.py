@@ -32,23 +32,36 @@ def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: tor
     return RecordDict({SCORES_KEY: MetricRecord(scores.to_metrics())})
 
 
-def asking(flow: FactoryFlow, node_ids: list[int], num_classes: int) -> AskSites:
-    """Sends weights to every site and pools the replies that parse (a malformed one is left out, named)."""
+def scores_of(content: RecordDict, num_classes: int, val_size: int, source: str) -> ClassScores:
+    """A site's validation scores, checked (`ClassScores.from_metrics`) and bounded by the `val_size` validation
+    images it declared in its survey: more would let one site's claim outweigh every other site's real images
+    in the pooled scores that choose the classifier and its calibration. ValueError naming `source` otherwise."""
+    if SCORES_KEY not in content.metric_records:
+        raise ValueError(f"{source}: the validation reply has no '{SCORES_KEY}' record")
+    scores = ClassScores.from_metrics(dict(content[SCORES_KEY]), num_classes, source)
+    if scores.counts.sum() > val_size:
+        raise ValueError(f"{source}: the validation reply counts {scores.counts.sum():.0f} images; the site declared "
+                         f"{val_size} validation images in its survey")
+    return scores
+
+
+def asking(flow: FactoryFlow, survey: dict[int, dict], num_classes: int) -> AskSites:
+    """Sends weights to every site of `survey` and pools the replies that pass `scores_of` (one that does not is
+    left out, recorded as dropped with the reason)."""
 
     def ask(state: dict[str, torch.Tensor]) -> ClassScores:
         messages = [
             Message(RecordDict({CLASSIFIER_KEY: packed_weights(state)}), dst_node_id=node, message_type=VALIDATION_MESSAGE)
-            for node in node_ids
+            for node in sorted(survey)
         ]
         replies = []
         for reply in flow.exchange(1, messages):
-            source = f"site node {reply.metadata.src_node_id}"
+            node = int(flow._site_of(reply))
+            source = f"site {survey[node].get('site-id')} (node {node})"
             try:
-                if SCORES_KEY not in reply.content.metric_records:
-                    raise ValueError(f"{source}: the validation reply has no '{SCORES_KEY}' record")
-                replies.append(ClassScores.from_metrics(dict(reply.content[SCORES_KEY]), num_classes, source))
+                replies.append(scores_of(reply.content, num_classes, int(survey[node]["val-size"]), source))
             except ValueError as err:
-                print(f"left out of site validation: {err}", flush=True)
+                flow._refuse(1, str(node), f"left out of site validation: {err}")
         if not replies:
             raise RuntimeError("no site returned usable validation scores for the server's classifier")
         return pooled(replies, num_classes)
@@ -58,7 +71,7 @@ def asking(flow: FactoryFlow, node_ids: list[int], num_classes: int) -> AskSites
 
 def validate_at_sites(
     flow: FactoryFlow,
-    node_ids: list[int],
+    survey: dict[int, dict],
     model: torch.nn.Module,
     checkpoints: dict[int, dict[str, torch.Tensor]],
     cfg: RunConfig,
@@ -67,7 +80,7 @@ def validate_at_sites(
     """`model` loaded with the checkpoint the sites' real validation images prefer, output biases
     calibrated on them; and the report of what they measured."""
     state, report = select_and_calibrate(
-        checkpoints, task.num_classes, asking(flow, node_ids, task.num_classes), cfg.factory.calibration_rounds
+        checkpoints, task.num_classes, asking(flow, survey, task.num_classes), cfg.factory.calibration_rounds
     )
     model.load_state_dict(state)
     print(
