@@ -254,8 +254,8 @@ def test_a_run_on_site_folders_is_named_by_their_folder():
 
 
 def test_one_flower_run_on_three_png_site_folders_keeps_each_sites_labels(tiny_run_superlink, tmp_path):
-    """One real `flwr run` (the only one here, ~30-60 s): three SuperNodes on the three folders, FedAvg for
-    one round; partition.json records each folder's own training label counts."""
+    """One real `flwr run` (the only one here, ~30-90 s): three SuperNodes on the three folders, FedAvg for
+    one round; partition.json names each site by its folder and records the folder's own training label counts."""
     root = tmp_path / "hospital"
     _single_label_sites(root, sizes=(24, 18, 30))
     cfg = _cfg(root)
@@ -269,6 +269,7 @@ def test_one_flower_run_on_three_png_site_folders_keeps_each_sites_labels(tiny_r
     assert run.name.endswith("-fedavg-sites-hospital")
     partition = json.loads((run / "partition.json").read_text())
     assert partition["class-names"] == list(CLASSES)
+    assert [s["site-name"] for s in sorted(partition["sites"], key=lambda s: s["site-id"])] == list(SITE_ORDER)
     for record, folder in zip(sorted(partition["sites"], key=lambda s: s["site-id"]), site_folders(cfg)):
         site = load_site(cfg, {"data-dir": str(folder), "site-id": record["site-id"], "num-sites": 3})
         assert record["label-counts"] == np.bincount(site.train_labels, minlength=len(CLASSES)).tolist()

@@ -507,6 +507,12 @@ def site_folders(cfg: RunConfig) -> list[Path]:
     return folders
 
 
+def site_names(cfg: RunConfig) -> dict[int, str]:
+    """Site id -> the name of its folder with dataset sites:<dir>, as the server records the sites; {} for
+    other datasets (a deployed site's folder name stays at the site)."""
+    return {} if sites_dir(cfg.dataset) is None else {k: folder.name for k, folder in enumerate(site_folders(cfg))}
+
+
 def check_site_count(cfg: RunConfig, num_sites: int) -> list[Path]:
     """The site folders of dataset sites:<dir> when the federation has one SuperNode for each, else
     ConfigError naming the key, both counts and the valid num-supernodes. The server can call it once it
