@@ -24,7 +24,7 @@ from fedskew.config import (
     current_run_config, sites_dir,
 )
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
-from fedskew.data.site_folder import load_test_set, site_folders
+from fedskew.data.site_folder import load_test_set, site_folders, site_names
 from fedskew.data.sites import load_partition, load_task_dataset, pooled_site_data
 from fedskew.data.sources import ImageDataset
 from fedskew.factory.library import _shown
@@ -219,7 +219,7 @@ def survey_federation(
     survey = refuse_sites(recorder, survey, mismatched)
     refused = {**refused, **mismatched}
     require_sites(cfg, survey, refused)
-    write_partition(recorder, survey, task.class_names)
+    write_partition(recorder, survey, task.class_names, site_names(cfg))
     return survey, task, refused
 
 
@@ -256,8 +256,11 @@ def config_checked(what: str, load: Callable[[], T]) -> T:
         raise ConfigError(f"invalid run config: {what}: {err}") from None
 
 
-def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names: tuple[str, ...]) -> None:
-    """partition.json + heatmap (and per-site co-occurrence for multi-label data) from the survey."""
+def write_partition(
+    recorder: RunRecorder, survey: dict[int, dict], class_names: tuple[str, ...], names: dict[int, str] | None = None
+) -> None:
+    """partition.json + heatmap (and per-site co-occurrence for multi-label data) from the survey; `names`:
+    site id -> the name of its folder (`site_names`), recorded beside the id."""
     sites = sorted(survey.values(), key=lambda s: s["site-id"])
     counts = np.array([s["label-counts"] for s in sites], dtype=np.int64)
     k = len(class_names)
@@ -265,6 +268,7 @@ def write_partition(recorder: RunRecorder, survey: dict[int, dict], class_names:
         "sites": [
             {
                 "site-id": s["site-id"],
+                **({"site-name": names[s["site-id"]]} if names and s["site-id"] in names else {}),
                 "train-size": s["train-size"],
                 "val-size": s["val-size"],
                 "label-counts": s["label-counts"],
