@@ -475,9 +475,13 @@ class RunConfig(_Section):
     aggregation: Literal["weighted", "unweighted"] = Field(
         "weighted", description="Average client models weighted by example count, or unweighted."
     )
-    min_available_sites: int = Field(1, ge=1, le=MAX_SITES, description="Sites that must answer for a round to proceed.")
+    min_available_sites: int = Field(
+        1, ge=1, le=MAX_SITES, description="Sites that must answer usably in every round (a floor): fewer, or fewer "
+        "connected after round-timeout, end the run as failed with the reason."
+    )
     round_timeout: float = Field(
-        3600.0, gt=0, le=MAX_ROUND_TIMEOUT, description="Seconds to wait for site replies in each round."
+        3600.0, gt=0, le=MAX_ROUND_TIMEOUT, description="Seconds any wait for the sites lasts (connecting, training, "
+        "validation, queries); a site silent that long is recorded as dropped."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data split, partition, model init and training.")
     results_dir: str = Field(
