@@ -113,7 +113,7 @@ def parse_survey(record: Mapping | None, cfg: RunConfig) -> dict:
     counted more often than either of its labels. Whether the site's task (label kind, classes, image
     shape) is the run's is `agreed_task_shape`'s to decide."""
     if not isinstance(record, Mapping):
-        raise SurveyRefusal("the reply holds no ConfigRecord 'survey'")
+        raise SurveyRefusal("holds no ConfigRecord 'survey'")
     num_sites = _whole(record, "num-sites", 1, MAX_SITES)
     survey = {
         "site-id": _whole(record, "site-id", 0, num_sites - 1),
