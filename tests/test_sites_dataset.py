@@ -180,6 +180,13 @@ def test_a_bad_sites_folder_is_one_clear_error_naming_the_path_before_any_site_i
     assert f"site folder {bad / 's0'} holds labels.csv and site.npz" in server_error(bad)
 
 
+def test_the_servers_val_data_inside_the_folder_is_no_site(tmp_path):
+    _single_label_sites(tmp_path)
+    _png_folder(tmp_path / "server-val", [230, 231], [0, 1])
+    cfg = _cfg(tmp_path, **{"val-data": str(tmp_path / "server-val")})
+    assert [p.name for p in site_folders(cfg)] == list(SITE_ORDER)
+
+
 def test_a_relative_sites_folder_is_under_data_root(tmp_path):
     _single_label_sites(tmp_path / "root" / "hospital")
     cfg = RunConfig.from_run_config({"method": "fedavg", "dataset": "sites:hospital", "data-root": str(tmp_path / "root"),
