@@ -38,9 +38,9 @@ def honest(cfg):
 
 
 @pytest.fixture
-def honest_result(cfg, honest):
+def honest_result(cfg, honest, tmp_path):
     """(survey, task, partition.json) of the honest sites alone."""
-    survey, task, refused, partition, _ = surveyed(cfg, honest)
+    survey, task, refused, partition, _ = surveyed(cfg, honest, tmp_path)
     assert refused == {}
     return survey, task, partition
 
@@ -76,10 +76,10 @@ class SurveyedGrid:
         return Message(content, reply_to=message)
 
 
-def surveyed(cfg, replies, order=None):
-    """(survey, task, refused, partition.json, the recorder's dropouts) of survey_federation over these replies."""
-    base = Path(tempfile.mkdtemp())
-    recorder = RunRecorder.create(cfg, multilabel=True, base=base)
+def surveyed(cfg, replies, results, order=None):
+    """(survey, task, refused, partition.json, the recorder's dropouts) of survey_federation over these replies,
+    recorded in a new run folder under `results`."""
+    recorder = RunRecorder.create(cfg, multilabel=True, base=Path(tempfile.mkdtemp(dir=results)))
     survey, task, refused = survey_federation(SurveyedGrid(replies, order), sorted(replies), cfg, load_task_dataset(cfg), recorder)
     return survey, task, refused, json.loads((recorder.path / "partition.json").read_text()), recorder.dropped
 
@@ -171,12 +171,12 @@ def bad_reply(draw, honest_surveys):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_bad_survey_replies_are_refused_and_the_honest_sites_result_is_unchanged(cfg, honest, honest_result, data):
+def test_bad_survey_replies_are_refused_and_the_honest_sites_result_is_unchanged(cfg, honest, honest_result, tmp_path, data):
     expected_survey, expected_task, expected_partition = honest_result
     bad = data.draw(st.lists(bad_reply(list(honest.values())), min_size=1, max_size=4))
     replies = {**honest, **{100 + k: reply for k, reply in enumerate(bad)}}
     order = data.draw(st.permutations(sorted(replies)))
-    survey, task, refused, partition, dropped = surveyed(cfg, replies, list(order))
+    survey, task, refused, partition, dropped = surveyed(cfg, replies, tmp_path, list(order))
     assert survey == expected_survey and task is expected_task and partition == expected_partition
     bad_nodes = sorted(set(replies) - set(honest))
     assert sorted(refused) == bad_nodes
@@ -197,12 +197,12 @@ def test_a_survey_without_its_record_or_with_text_for_a_count_is_refused_with_th
         parse_survey(honest[1], cfg.model_copy(update={"num_classes": 10}))
 
 
-def test_too_few_usable_sites_end_the_run_with_one_line_saying_so(cfg, honest):
+def test_too_few_usable_sites_end_the_run_with_one_line_saying_so(cfg, honest, tmp_path):
     replies = {**honest, 9: {**honest[1], "num-classes": "abc"}}
     with pytest.raises(SurveyFailed, match=r"^3 site\(s\) left after the survey, fewer than min-available-sites = 4: "
                        r"site 9 refused: its survey reply 'num-classes' must be"):
-        surveyed(cfg.model_copy(update={"min_available_sites": 4}), replies)
+        surveyed(cfg.model_copy(update={"min_available_sites": 4}), replies, tmp_path)
     # Every site failing alike: the run ends with that failure, once.
     error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="<class 'fedskew.config.ConfigError'>:<'key x is bad'>")
     with pytest.raises(SurveyFailed, match=r"^every site \(3\) failed the survey: ConfigError: key x is bad$"):
-        surveyed(cfg, dict.fromkeys(HONEST_NODES, error))
+        surveyed(cfg, dict.fromkeys(HONEST_NODES, error), tmp_path)
