@@ -52,7 +52,7 @@ def main(grid: Grid, context: Context) -> None:
         node_ids = wait_for_sites(grid, cfg.min_available_sites, cfg.round_timeout)
         if isinstance(grid, InMemoryGrid):  # simulation: the sites' partition is the server's to check first
             check_partition(cfg, len(node_ids))
-        survey, task, _ = survey_federation(grid, node_ids, cfg, test, recorder)
+        survey, task = survey_federation(grid, node_ids, cfg, test, recorder)
         recorder.name_by_data(run_data_name(cfg, survey, task.class_names))
         print(f"fedskew: {cfg.method} on {recorder.extra['data']}, results in {recorder.path}", flush=True)
         recorder.multilabel = task.multilabel  # with labels = "auto" only the data tells

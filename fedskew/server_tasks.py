@@ -206,9 +206,9 @@ def refuse_sites(recorder: RunRecorder, survey: dict[int, dict], refused: dict[i
 
 def survey_federation(
     grid: Grid, node_ids: list[int], cfg: RunConfig, test: ImageDataset | None, recorder: RunRecorder
-) -> tuple[dict[int, dict], TaskShape | ImageDataset, dict[int, str]]:
+) -> tuple[dict[int, dict], TaskShape | ImageDataset]:
     """Everything before round 1 that the sites' answers decide: (node -> survey of the sites that take part,
-    the run's task, node -> why a site is refused). A site whose survey failed or is refused (`survey_sites`),
+    the run's task). A site whose survey failed or is refused (`survey_sites`),
     or whose task is not the run's (`agreed_task_shape`), is recorded as dropped in round 0 and the run goes on
     without it, as long as min-available-sites remain (`require_sites`); the partition record is written from
     the sites that remain."""
@@ -220,7 +220,7 @@ def survey_federation(
     refused = {**refused, **mismatched}
     require_sites(cfg, survey, refused)
     write_partition(recorder, survey, task.class_names, site_names(cfg))
-    return survey, task, refused
+    return survey, task
 
 
 def run_data_name(cfg: RunConfig, survey: dict[int, dict], class_names: tuple[str, ...]) -> str:

@@ -40,8 +40,8 @@ def honest(cfg):
 @pytest.fixture
 def honest_result(cfg, honest, tmp_path):
     """(survey, task, partition.json) of the honest sites alone."""
-    survey, task, refused, partition, _ = surveyed(cfg, honest, tmp_path)
-    assert refused == {}
+    survey, task, partition, dropped = surveyed(cfg, honest, tmp_path)
+    assert dropped == []
     return survey, task, partition
 
 
@@ -77,11 +77,11 @@ class SurveyedGrid:
 
 
 def surveyed(cfg, replies, results, order=None):
-    """(survey, task, refused, partition.json, the recorder's dropouts) of survey_federation over these replies,
+    """(survey, task, partition.json, the recorder's dropouts) of survey_federation over these replies,
     recorded in a new run folder under `results`."""
     recorder = RunRecorder.create(cfg, multilabel=True, base=Path(tempfile.mkdtemp(dir=results)))
-    survey, task, refused = survey_federation(SurveyedGrid(replies, order), sorted(replies), cfg, load_task_dataset(cfg), recorder)
-    return survey, task, refused, json.loads((recorder.path / "partition.json").read_text()), recorder.dropped
+    survey, task = survey_federation(SurveyedGrid(replies, order), sorted(replies), cfg, load_task_dataset(cfg), recorder)
+    return survey, task, json.loads((recorder.path / "partition.json").read_text()), recorder.dropped
 
 
 def test_an_honest_survey_is_parsed_to_itself(cfg, honest):
@@ -176,12 +176,10 @@ def test_bad_survey_replies_are_refused_and_the_honest_sites_result_is_unchanged
     bad = data.draw(st.lists(bad_reply(list(honest.values())), min_size=1, max_size=4))
     replies = {**honest, **{100 + k: reply for k, reply in enumerate(bad)}}
     order = data.draw(st.permutations(sorted(replies)))
-    survey, task, refused, partition, dropped = surveyed(cfg, replies, tmp_path, list(order))
+    survey, task, partition, dropped = surveyed(cfg, replies, tmp_path, list(order))
     assert survey == expected_survey and task is expected_task and partition == expected_partition
-    bad_nodes = sorted(set(replies) - set(honest))
-    assert sorted(refused) == bad_nodes
-    # Every refused site is recorded as dropped before round 1, with one line that names it.
-    assert sorted(int(d["site"]) for d in dropped) == bad_nodes and {d["round"] for d in dropped} == {0}
+    # Every bad site is refused, recorded as dropped before round 1 with one line that names it.
+    assert sorted(int(d["site"]) for d in dropped) == sorted(set(replies) - set(honest)) and {d["round"] for d in dropped} == {0}
     for d in dropped:
         assert d["reason"].startswith(f"site {d['site']} ") and "\n" not in d["reason"] and "\x1b[" not in d["reason"]
 
