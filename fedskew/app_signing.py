@@ -31,6 +31,21 @@ from flwr.cli.build import build_fab_from_disk
 from flwr.common.config import get_fab_config, get_metadata_from_config
 from flwr.supercore.primitives.asymmetric_ed25519 import create_message_to_sign, load_private_key, sign_message
 
+# Flower's SuperNode answers every message of a run whose app it cannot verify with this reason, and logs "App
+# verification is not supported by the connected SuperLink" when the app carries no signature at all (an app
+# `flwr run .` uploaded), whichever SuperLink it is connected to. Neither names the cause.
+UNVERIFIED_APP = "The FAB could not be verified."
+UNVERIFIED_APP_CAUSE = (
+    "the run's app carries no signature by a key in the site's trusted-entities.yaml (an app `flwr run .` uploads "
+    "is never signed: sign it with `fedskew sign-app` and run it as `flwr run @<publisher>/<name>==<version>`)"
+)
+
+
+def with_unverified_app_cause(reason: str) -> str:
+    """A site's error reason, with the cause added where it is the SuperNode's refusal of an unverified app."""
+    return f"{UNVERIFIED_APP} Cause: {UNVERIFIED_APP_CAUSE}" if reason.strip() == UNVERIFIED_APP else reason
+
+
 KEY_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 VERSION = re.compile(r"^\d+\.\d+\.\d+$")

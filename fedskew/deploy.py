@@ -34,6 +34,9 @@ import httpx
 from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, finished_listing, free_port, run_config_toml
 
 LOOPBACK = "127.0.0.1"
+# What the processes write (the SuperLink's state.db, the ServerApp's results, a site's cache) is for the user
+# running them only: 0600 files, 0700 folders, as `umask 077` does in docs/deployment.md.
+PRIVATE_UMASK = 0o077
 PROXY_TEMPLATE = APP_DIR / "docker" / "fleet-proxy.conf.template"
 
 
@@ -58,15 +61,16 @@ class TlsFiles:
 class FlowerProcess:
     """One long-running Flower command in its own session, logging to `log_path`."""
 
-    def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log_path: Path):
-        self.name, self.argv, self.env, self.log_path = name, argv, dict(env), log_path
+    def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path | None = None):
+        self.name, self.argv, self.env, self.log_path, self.cwd = name, argv, dict(env), log_path, cwd
         self.process: subprocess.Popen | None = None
 
     def start(self) -> FlowerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                umask=PRIVATE_UMASK,
             )
         return self
 

@@ -18,6 +18,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
+from fedskew.app_signing import with_unverified_app_cause
 from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
 from fedskew.config import (
     FEDERATED_EVALUATION, MAX_CLASSES, MAX_SITE_IMAGES, MAX_SITES, ConfigError, RunConfig, check_label_kind,
@@ -71,7 +72,7 @@ def one_line(text: str) -> str:
 def site_failure(reason: str) -> str:
     """The one line that says why a site's ClientApp failed, from Flower's error reply: the exception the
     site's code raised (the first one a traceback names: the others re-raise it) as `Type: message`."""
-    reason = TERMINAL_COLOUR.sub("", reason)
+    reason = with_unverified_app_cause(TERMINAL_COLOUR.sub("", reason))
     match = FLOWER_ERROR.fullmatch(reason.strip())
     kind, message = (match["type"], match["message"]) if match else ("", reason)
     raised = RAISED_LINE.search(message) if "Traceback" in message or 'File "' in message else None

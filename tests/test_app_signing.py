@@ -19,9 +19,10 @@ from flwr.supernode.start_client_internal import _verify_fab
 
 from system_tools import require_tool
 
-from fedskew.app_signing import AppIndex, publish_app, signature_record
+from fedskew.app_signing import UNVERIFIED_APP_CAUSE, AppIndex, publish_app, signature_record
 from fedskew.cli import main as cli_main
 from fedskew.launch import APP_DIR, free_port
+from fedskew.server_tasks import site_failure
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 
@@ -98,3 +99,12 @@ def test_the_index_serves_signed_fabs_to_flowers_hub_client(keys, tiny_app, tmp_
             request_download_link("@hospital-net/tinyapp", "2.0.0", f"{index.url}/hub/fetch-fab", "fab_url")
         with pytest.raises(ValueError, match="not found"):
             request_download_link("@hospital-net/other", None, f"{index.url}/hub/fetch-fab", "fab_url")
+
+
+def test_a_sites_refusal_of_an_unverified_app_names_the_cause():
+    """Flower's SuperNode answers "The FAB could not be verified." (and logs that the SuperLink does not support
+    verification when the app has no signature at all); the server's record of the site says why."""
+    refused = site_failure("The FAB could not be verified.")
+    assert refused == f"The FAB could not be verified. Cause: {UNVERIFIED_APP_CAUSE}"
+    assert "no signature by a key in the site's trusted-entities.yaml" in refused and "fedskew sign-app" in refused
+    assert site_failure("<class 'ValueError'>:<'The FAB could not be verified.'>") == "ValueError: The FAB could not be verified."

@@ -25,8 +25,9 @@ from flwr.common.config import parse_config_args
 
 from multihot_npz import write_multihot_npz
 from system_tools import require_tool
+from test_deploy_steps import THREADS, readable_by_others
 
-from fedskew.app_signing import AppIndex, publish_app
+from fedskew.app_signing import UNVERIFIED_APP, UNVERIFIED_APP_CAUSE, AppIndex, publish_app
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.data.site_folder import load_test_set
@@ -35,8 +36,6 @@ from fedskew.launch import APP_DIR, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
-# One thread per process: three sites' ClientApps, the ServerApp and pytest share two cores.
-THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TINY = {"num-server-rounds": 2, "batch-size": 64, "min-site-size": 5, "local-epochs": 1}
 SITES = ["--sites", "3", "--mosaic-grid", "0", "--labels", "auto", "--partition", "multilabel-skew",
          "--alpha", "0.1", "--missing-classes", "3", "--seed", "0"]  # fmt: skip
@@ -216,6 +215,8 @@ def test_a_fednca_run_over_tls_completes_without_a_killed_site_and_a_site_with_b
     assert {d["site"] for d in summary["dropped"]} == {str(broken_id), str(killed_id)}
     # A real deployment moves real bytes (a simulation lists 0).
     assert outcome.listing["network-traffic"]["total-bytes"] > 0
+    # The SuperLink's state and the run's results are the centre user's alone.
+    assert not readable_by_others(link.home / "state.db", results, *results.rglob("*"))
 
 
 def test_a_tiny_factory_run_over_tls_keeps_every_honest_sites_generators_and_rejects_a_hostile_site(link, pki, factory_sites, tmp_path):
@@ -281,8 +282,8 @@ def test_every_site_refuses_an_unsigned_app_and_one_signed_by_another_key(link, 
             outcome = link.wait(run_id, timeout=240)
             assert outcome.status == "finished:failed", (what, outcome.status, outcome.output[-3000:])
             details = outcome.listing["status-details"]
-            for node in nodes:
-                assert f"site {node.node_id}: The FAB could not be verified." in details, (what, details)
+            # Every site refused the app; the run's status names the cause, not only Flower's "could not be verified".
+            assert f"every site ({len(nodes)}) failed the survey: {UNVERIFIED_APP} Cause: {UNVERIFIED_APP_CAUSE}" in details, (what, details)
     for node in nodes:
         log = node.process.log_text()
         # Unsigned: the run carries no signature at all; forged: the signature does not verify.

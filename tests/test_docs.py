@@ -15,7 +15,7 @@ Fenced shell blocks (bash, sh, shell, console) are split into commands; inline c
 
 The `flower-superlink` and `flower-supernode` commands of a page start for real: its SuperLinks must
 answer and its SuperNodes must join them (docs/deployment.md's, with their TLS and keys, run in order in
-tests/test_deploy.py). Pages added later under docs/ are covered by the glob. Nothing here trains.
+tests/test_deploy_steps.py). Pages added later under docs/ are covered by the glob. Nothing here trains.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE_CODE = re.compile(r"`([^`]+)`")  # a span may wrap onto the next line
 QUOTED_RUN_CONFIG = re.compile(r"""--run-config[ =](["'])""")
-SHELL_BUILTINS = {"cd", "export", "kill", "echo", "source", "set", "unset", "test", "true", "false"}
+SHELL_BUILTINS = {"cd", "export", "kill", "echo", "source", "set", "unset", "test", "true", "false", "umask"}
 # Tools a reader installs on their own machines, absent from development and CI machines by design.
 USER_INSTALLED = {"docker": "the Docker engine (the tests validate the compose files with docker-compose instead)"}
 FLOWER_ARGPARSE = {
@@ -112,7 +112,7 @@ def split_commands(text: str) -> list[tuple[int, list[str]]]:
         commands.append((start, ["unclosed-quotation:", pending[:80]]))
     result = []
     for number, argv in commands:
-        while argv and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]) or argv[0] in ("do", "then", "sudo")):
+        while argv and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]) or argv[0] in ("do", "then", "sudo", "until")):
             argv = argv[1:]
         if argv and argv[0] not in ("for", "done", "fi", "if", "while"):
             result.append((number, argv))
@@ -353,7 +353,7 @@ def test_the_docs_hold_commands_and_the_checks_catch_mistakes():
 
 FLOWER_PROCESSES = ("flower-superlink", "flower-supernode")
 # Its SuperLink, fleet proxy and SuperNodes (TLS, registered keys, signed apps) run in order, with the rest of
-# its bare-metal steps, in tests/test_deploy.py.
+# its bare-metal steps, in tests/test_deploy_steps.py.
 RUN_WITH_THEIR_STEPS = {"docs/deployment.md"}
 PROCESS_PAGES = sorted({c.page for c in ALL_COMMANDS if c.argv[0] in FLOWER_PROCESSES})
 
