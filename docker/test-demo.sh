@@ -31,6 +31,8 @@ timings=()
 
 log() { echo "[test-demo] $*"; }
 fail() { echo "[test-demo] $*" >&2; return 1; }
+NO_ENGINE=77  # the exit status where no Docker engine can run on this host: .ci/run reports the demo skipped
+no_engine() { echo "[test-demo] SKIPPED: no Docker engine can run here: $*" >&2; exit "$NO_ENGINE"; }
 
 run_step() {
   local name=$1 t0
@@ -55,7 +57,7 @@ teardown() {
   local rc=$?
   set +eu
   server_env
-  if [ "$rc" -ne 0 ]; then
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne "$NO_ENGINE" ]; then
     echo "[test-demo] FAILED at step: $current (exit $rc)" >&2
     if command -v docker-compose >/dev/null && docker info >/dev/null 2>&1; then
       compose_server logs --tail 40 2>&1 | tail -120 >&2
@@ -80,15 +82,15 @@ trap 'exit 143' TERM INT  # so that the EXIT trap tears down after a kill too
 
 docker_ready() {
   if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null; then
-    [ "$(id -u)" = 0 ] || fail "Docker is not installed and this is not root: install docker.io and docker-compose"
+    [ "$(id -u)" = 0 ] || no_engine "Docker is not installed and this is not root: install docker.io and docker-compose"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose >/dev/null
   fi
   if ! docker info >/dev/null 2>&1; then
-    [ "$(id -u)" = 0 ] || fail "the Docker daemon is not running and this is not root: start dockerd"
+    [ "$(id -u)" = 0 ] || no_engine "the Docker daemon is not running and this is not root: start dockerd"
     nohup dockerd >"$WORK/dockerd.log" 2>&1 &
     STARTED_DOCKERD=$!
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-    docker info >/dev/null 2>&1 || fail "dockerd did not start; its log: $(tail -5 "$WORK/dockerd.log")"
+    docker info >/dev/null 2>&1 || no_engine "dockerd did not start; its log: $(tail -5 "$WORK/dockerd.log")"
   fi
   HOST_IP=$(hostname -I 2>/dev/null | awk '{print $1}')
   [ -n "$HOST_IP" ] || fail "cannot tell this host's IP address (hostname -I)"
@@ -258,8 +260,8 @@ unsigned_refused() {
   local refusals
   flwr_run "$REPO" "$FACTORY_CONFIG results-dir='/app/results/unsigned'"
   [ "$RUN_STATUS" = "finished:failed" ] || fail "the unsigned run $RUN_ID was not refused: $RUN_STATUS $RUN_DETAILS"
-  refusals=$(grep -o "The FAB could not be verified" <<<"$RUN_DETAILS" | wc -l)
-  [ "$refusals" = "${#SITE_IDS[@]}" ] || fail "unsigned run $RUN_ID: $refusals of ${#SITE_IDS[@]} sites refused it: $RUN_DETAILS"
+  refusals="every site (${#SITE_IDS[@]}) failed the survey: The FAB could not be verified. Cause: the run's app carries no signature"
+  grep -qF "$refusals" <<<"$RUN_DETAILS" || fail "unsigned run $RUN_ID: not refused by every site with the cause: $RUN_DETAILS"
   log "unsigned run $RUN_ID refused by every site: $RUN_DETAILS"
 }
 
