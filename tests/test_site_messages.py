@@ -328,7 +328,7 @@ def test_only_the_surveyed_sites_are_asked():
 
 # --- FederatedFactory: generator uploads, experts, site-validation scores, quotas -------------------------------
 
-from test_hostile import CFG, SITES, TASK, _empty_library, expert_reply, honest, survey_of  # noqa: E402, F401 - honest: a fixture
+from test_hostile import CFG, HOSTILE_SITE, SITES, TASK, _empty_library, expert_reply, honest, survey_of  # noqa: E402, F401 - honest: a fixture
 from test_hostile import flow as factory_flow  # noqa: E402
 
 from fedskew.factory.library import Library, sampling_plan  # noqa: E402
@@ -450,3 +450,21 @@ def test_no_survey_claim_takes_more_than_half_of_a_class_another_site_holds(hone
     plan = {job.module_id: job.count for job in sampling_plan(library, quota, seed=0)}
     assert sum(plan.values()) == quota
     assert plan.get("site9-class2", 0) <= math.ceil(quota / 2)  # largest remainders round a half up, never further
+
+
+def test_fewer_accepted_uploads_than_min_available_sites_end_the_run_naming_the_rejection(honest):
+    from fedskew.strategies.factory import FactoryFlow
+
+    from test_hostile import ScriptedGrid
+
+    forged = HOSTILE_SITE.forged_upload(CFG, 1, SITES[12][1], TASK.image_shape, ["image count"])
+    answers = {11: encode_modules(*honest[0]), 12: forged}
+    recorder = RunRecorder(path=Path(tempfile.mkdtemp()), multilabel=False, method="factory")
+    for floor, ends in ((1, False), (2, True)):
+        flow = FactoryFlow(ScriptedGrid(lambda node, _: answers[node]), recorder, timeout=10, floor=floor)
+        if not ends:
+            assert [m.module_id for m in flow.collect_library(survey_of(SITES), TASK, CFG)[0].modules] == ["site0-class0"]
+            continue
+        with pytest.raises(TooFewSites, match=r"round 1: 1 of 2 site\(s\) sent a usable upload, fewer than min-available-sites = 2 "
+                                              r".*site 1 \(node 12\): upload rejected: .*declared image-counts"):
+            flow.collect_library(survey_of(SITES), TASK, CFG)

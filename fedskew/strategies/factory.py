@@ -325,8 +325,10 @@ class FactoryFlow(RecordingMixin):
     """Sends one custom message per site and collects the replies, counting bytes and dropouts. A reply
     the server cannot accept is rejected with its reason and the run goes on with the others."""
 
-    def __init__(self, grid: Grid, recorder: RunRecorder, timeout: float):
-        self.grid, self.timeout = grid, timeout
+    def __init__(self, grid: Grid, recorder: RunRecorder, timeout: float, floor: int = 1):
+        """`timeout` bounds each exchange (run-config round-timeout); fewer than `floor` sites with an accepted
+        reply (min-available-sites) end the run."""
+        self.grid, self.timeout, self.min_available_nodes = grid, timeout, floor
         # The accepted sites' per-class real pixel histograms, summed (factory.match-intensity; else None).
         self.real_histograms: np.ndarray | None = None
         # The accepted sites' autoguidance guides (factory.guide-steps; else None).
@@ -345,8 +347,9 @@ class FactoryFlow(RecordingMixin):
     def checked_replies(self, server_round: int, messages: list[Message], identities: dict[int, SiteIdentity], what: str, check):
         """(identity, reply, check(identity, reply)) for every reply that passes `check`, and the rejections.
         `check` raises UploadRejected for a bad reply; any other error is a server bug: its traceback is
-        printed and the reply rejected with that error, so one site never costs the run."""
-        accepted, rejected = [], []
+        printed and the reply rejected with that error, so one site never costs the run. Fewer accepted replies
+        than the floor (min-available-sites) end the run with TooFewSites naming each rejection."""
+        accepted, rejected, refusals = [], [], []
         for reply in self.exchange(server_round, messages):
             node = reply.metadata.src_node_id
             identity = identities.get(node)
@@ -365,6 +368,8 @@ class FactoryFlow(RecordingMixin):
             site = f"site {identity.site_id} (node {node})" if identity else f"node {node}"
             print(f"rejected the {what} of {site}: {reason}", flush=True)
             rejected.append({"node": str(node), **({"site-id": identity.site_id} if identity else {}), "reason": reason})
+            refusals.append(f"{site}: {what} rejected: {reason}")
+        self.require_floor(server_round, len(accepted), what, refusals)
         return accepted, rejected
 
     def collect_library(self, survey: dict[int, dict], task: TaskLike, cfg: RunConfig) -> tuple[Library, list[dict]]:
@@ -542,7 +547,7 @@ def run_factory(
     device: torch.device,
 ) -> None:
     """method factory (round 1) or factory-p2p (rounds 1 and 2); results go to recorder.path."""
-    flow = FactoryFlow(grid, recorder, cfg.round_timeout)
+    flow = FactoryFlow(grid, recorder, cfg.round_timeout, floor=min(cfg.min_available_sites, len(survey)))
     recorder.selected_within = (
         "factory.classifier-val-fraction: the classifier's epoch is chosen on held-out synthetic images"
         if cfg.method == "factory"

@@ -47,7 +47,7 @@ def scores_of(content: RecordDict, num_classes: int, val_size: int, source: str)
 
 def asking(flow: FactoryFlow, survey: dict[int, dict], num_classes: int) -> AskSites:
     """Sends weights to every site of `survey` and pools the replies that pass `scores_of` (one that does not is
-    left out, recorded as dropped with the reason)."""
+    left out, recorded as dropped with the reason; fewer usable replies than min-available-sites end the run)."""
 
     def ask(state: dict[str, torch.Tensor]) -> ClassScores:
         messages = [
@@ -62,8 +62,7 @@ def asking(flow: FactoryFlow, survey: dict[int, dict], num_classes: int) -> AskS
                 replies.append(scores_of(reply.content, num_classes, int(survey[node]["val-size"]), source))
             except ValueError as err:
                 flow._refuse(1, str(node), f"left out of site validation: {err}")
-        if not replies:
-            raise RuntimeError("no site returned usable validation scores for the server's classifier")
+        flow.require_floor(1, len(replies), "site-validation scores")
         return pooled(replies, num_classes)
 
     return ask

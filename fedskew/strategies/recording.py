@@ -149,13 +149,13 @@ class RecordingMixin:
                                   f"({self.timeout} s), fewer than min-available-sites = {self.min_available_nodes}")
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def require_floor(self, server_round: int, usable: int, what: str) -> None:
+    def require_floor(self, server_round: int, usable: int, what: str, refusals: Iterable[str] = ()) -> None:
         """End the run when fewer than `min_available_nodes` sites sent a usable `what` this round (sites were
-        asked); the reasons of the round's dropouts say why the others did not."""
+        asked); the reasons of the round's dropouts (and `refusals` recorded elsewhere) say why the others did not."""
         if not self.asked or usable >= self.min_available_nodes:
             return
         lost = [d["reason"] if d["reason"].startswith("site ") else f"{self.site_name(d['site'])}: {d['reason']}"
-                for d in self.recorder.dropped if d["round"] == server_round]
+                for d in self.recorder.dropped if d["round"] == server_round] + list(refusals)
         raise TooFewSites(f"round {server_round}: {usable} of {len(self.asked)} site(s) sent a usable {what}, fewer than "
                           f"min-available-sites = {self.min_available_nodes} (a floor for every round). "
                           + " | ".join(lost))  # fmt: skip
