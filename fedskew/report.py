@@ -192,6 +192,7 @@ def run_report(run_dir: Path) -> str:
     body.append("<h2>Partition</h2>" + _partition_figures(partition))
 
     traffic = summary.get("bytes") or {}
+    site_ids = summary.get("site_ids") or {}  # node id -> the site id it declared in the survey
     sites = sorted(set(traffic.get("sent_per_site", {})) | set(traffic.get("received_per_site", {})), key=_site_order)
     if sites:
         megabytes = {direction: [traffic.get(f"{direction}_per_site", {}).get(s, 0) / 1e6 for s in sites]
@@ -199,10 +200,10 @@ def run_report(run_dir: Path) -> str:
         body.append("<h2>Bytes per site</h2>"
                     + f"<p>Sent to the sites {traffic.get('sent_total', 0) / 1e6:.2f} MB, received "
                     f"{traffic.get('received_total', 0) / 1e6:.2f} MB (serialised message contents).</p>"
-                    + _bars(megabytes, [_site_label(s) for s in sites], "MB per site (server's view)", "MB"))  # fmt: skip
+                    + _bars(megabytes, [_site_label(s, site_ids) for s in sites], "MB per site (server's view)", "MB"))  # fmt: skip
     if summary.get("dropped"):
-        body.append("<h2>Dropped sites</h2>" + _table(["round", "site", "reason"],
-                                                      [[d.get("round"), d.get("site"), d.get("reason")] for d in summary["dropped"]]))  # fmt: skip
+        body.append("<h2>Dropped sites</h2>" + _table(["round", "site", "reason"], [
+            [d.get("round"), _site_label(str(d.get("site")), site_ids), d.get("reason")] for d in summary["dropped"]]))  # fmt: skip
 
     body.append(_factory_section(run_dir, summary))
     config_rows = [[key, json.dumps(value)] for key, value in sorted(config.items())]
@@ -210,9 +211,13 @@ def run_report(run_dir: Path) -> str:
     return _page(f"fedskew run {run_dir.name}", "\n".join(body))
 
 
-def _site_label(site: str) -> str:
-    # Simulation and deployment key the byte counts by Flower's node id, a long number.
-    return f"node …{site[-6:]}" if len(site) > 8 else f"site {site}"
+def _site_label(site: str, site_ids: dict) -> str:
+    # Simulation and deployment key the byte counts and dropouts by Flower's node id, a long number; the
+    # site id the node declared in its survey goes beside it.
+    node = f"node …{site[-6:]}" if len(site) > 8 else f"node {site}"
+    if site in site_ids:
+        return f"site {site_ids[site]} ({node})"
+    return node if len(site) > 8 else f"site {site}"
 
 
 def _site_order(site: str) -> tuple[int, str]:

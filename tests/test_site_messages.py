@@ -468,3 +468,17 @@ def test_fewer_accepted_uploads_than_min_available_sites_end_the_run_naming_the_
         with pytest.raises(TooFewSites, match=r"round 1: 1 of 2 site\(s\) sent a usable upload, fewer than min-available-sites = 2 "
                                               r".*site 1 \(node 12\): upload rejected: .*declared image-counts"):
             flow.collect_library(survey_of(SITES), TASK, CFG)
+
+
+def test_the_report_names_a_dropped_site_by_its_site_id_beside_its_node_id(tmp_path):
+    import json
+
+    from test_report import fake_run
+
+    from fedskew.report import run_report
+
+    recorder = fake_run(tmp_path)  # site 2 (node 1002) dropped in round 2
+    summary = json.loads((recorder.path / "summary.json").read_text())
+    assert "site 1002</td>" in run_report(recorder.path)  # without a survey's site ids: the node id alone
+    (recorder.path / "summary.json").write_text(json.dumps({**summary, "site_ids": {"1000": 0, "1001": 1, "1002": 2}}))
+    assert "site 2 (node 1002)</td>" in run_report(recorder.path)
