@@ -100,6 +100,27 @@ def write_png_folder(images: np.ndarray, labels: np.ndarray, class_names: tuple[
     return folder
 
 
+def site_shares(labels: np.ndarray, num_sites: int, seed: int = 0) -> list[np.ndarray]:
+    """Label-skewed site shares of `labels` (indices): an image carrying class k < num_sites goes to site k with
+    four times the odds of another site, so each site holds mostly its own classes and every class is everywhere."""
+    rng = np.random.default_rng(seed)
+    present = labels.astype(bool) if labels.ndim == 2 else np.eye(labels.max() + 1, dtype=bool)[labels]
+    odds = 1 + 3 * present[:, :num_sites]
+    sites = np.array([rng.choice(num_sites, p=row / row.sum()) for row in odds])
+    return [np.flatnonzero(sites == k) for k in range(num_sites)]
+
+
+def write_site_folders(data: PatternSet, root: Path, num_sites: int) -> tuple[Path, Path]:
+    """`root`/sites/site-K (K < num_sites: label-skewed shares of the train and val splits) and `root`/test (the
+    test split), all PNG site folders; returns (sites, test)."""
+    images = np.concatenate([data.images["train"], data.images["val"]])
+    labels = np.concatenate([data.labels["train"], data.labels["val"]])
+    for k, share in enumerate(site_shares(labels, num_sites)):
+        write_png_folder(images[share], labels[share], data.class_names, root / "sites" / f"site-{k}")
+    write_png_folder(data.images["test"], data.labels["test"], data.class_names, root / "test")
+    return root / "sites", root / "test"
+
+
 def chance_score(test_labels: np.ndarray) -> float:
     """The best score a model that ignores the pixels can expect on these labels. Single-label accuracy: the
     largest class's share. Multi-label macro-F1: a label of frequency p predicted present with probability q

@@ -178,11 +178,3 @@ def test_a_bad_config_value_fails_the_run_with_the_clear_message(tiny_run_superl
     assert not outcome.completed
     assert "ConfigError: invalid run config: key 'alpha' = -1.0 is invalid: Input should be greater than 0" in outcome.output
     assert "Traceback" not in outcome.output  # the message alone, not the frames of the config's validation
-
-
-def test_scaffold_sites_keep_their_control_variate_between_rounds(tiny_run_superlink, tmp_path):
-    outcome = tiny_run_superlink.run_app({**TINY, "method": "scaffold", "results-dir": str(tmp_path)}, num_supernodes=2)
-    assert outcome.completed, outcome.output[-4000:]
-    rounds = [json.loads(line) for line in (_only_run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
-    # Round 1 starts from zeros everywhere; in round 2 every site finds the state it stored in round 1.
-    assert [r["train"]["site-state-restored"] for r in rounds[1:]] == [0.0, 1.0]
