@@ -12,12 +12,13 @@ from fedskew.client_tasks import (
 )
 from fedskew.config import RunConfig
 from fedskew.factory.site import UploadRefusal
+from fedskew.factory.site_handlers import site_expert, site_scores, site_upload
 from fedskew.privacy import privacy_mod
+from fedskew.protocol import (
+    CONTROL_SHIFT_KEY, ETF_KEY, FACTORY_MESSAGE, GRADIENT_QUERY, P2P_MESSAGE, SCAFFOLD_CONTROL_KEY, SURVEY_QUERY,
+    VALIDATION_MESSAGE, handler_name,
+)
 from fedskew.site_state import SiteState
-from fedskew.strategies.drift import SCAFFOLD_CONTROL_KEY
-from fedskew.strategies.factory import site_expert, site_upload
-from fedskew.strategies.factory_validation import site_scores
-from fedskew.strategies.fednca import CONTROL_SHIFT_KEY, ETF_KEY
 from fedskew.training import pick_device
 
 app = ClientApp(mods=[privacy_mod])
@@ -38,7 +39,7 @@ def received_arrays(msg: Message, key: str) -> dict | None:
     return msg.content[key].to_torch_state_dict()
 
 
-@app.query("site_survey")
+@app.query(handler_name(SURVEY_QUERY))
 def survey(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     # A ConfigRecord: the survey carries the class names as well as counts.
@@ -64,7 +65,7 @@ def train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-@app.query("fednca_gradient")
+@app.query(handler_name(GRADIENT_QUERY))
 def mean_gradient(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
@@ -81,7 +82,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-@app.train("factory")
+@app.train(handler_name(FACTORY_MESSAGE))
 def factory_upload(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
@@ -92,14 +93,14 @@ def factory_upload(msg: Message, context: Context) -> Message:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(refusal)), reply_to=msg)
 
 
-@app.train("p2p")
+@app.train(handler_name(P2P_MESSAGE))
 def factory_p2p(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)
     return Message(site_expert(cfg, site, msg.content, pick_device(cfg.device)), reply_to=msg)
 
 
-@app.query("factory_validation")
+@app.query(handler_name(VALIDATION_MESSAGE))
 def factory_validation(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
     site = load_site(cfg, context.node_config)

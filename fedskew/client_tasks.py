@@ -28,12 +28,10 @@ from fedskew.data.sites import SiteData, load_partition, site_in_simulation
 from fedskew.models.build import build_model
 from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
 from fedskew.metrics import counted_thresholds, threshold_counts
+from fedskew.protocol import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
 from fedskew.training import (
     EVAL_BATCH_SIZE, augmented, classification_loss, evaluate, make_loader, pick_device, predict, sgd, train_local,
 )
-
-UNIT_WEIGHT_KEY = "unit-weight"  # reported as 1 with every reply: the weight of an unweighted average
-
 
 def load_site(cfg: RunConfig, node_config: dict) -> SiteData:
     """The site's own data: its folder (node config data-dir), or in simulation (partition-id /
@@ -322,10 +320,6 @@ def train_site(
 
 
 # What a multi-label validation report carries: per-class tp/fp/fn counts at every counted threshold.
-VAL_COUNTS_KEY = "val-threshold-counts"
-SINGLE_LABEL_VAL_KEYS = ("val_accuracy", "val_balanced_accuracy")
-
-
 def validation_report(
     model: nn.Module, images: np.ndarray, labels: np.ndarray, *, device: torch.device, threshold: str | float
 ) -> dict[str, float | list[int]]:

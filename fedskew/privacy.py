@@ -41,7 +41,7 @@ from flwr.serverapp.strategy import (
 
 from fedskew.config import DPSection, RunConfig
 from fedskew.results import RunRecorder
-from fedskew.strategies.fednca import ETF_KEY
+from fedskew.protocol import ETF_KEY
 
 OFF = "off"
 LOCAL = "local"

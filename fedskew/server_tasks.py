@@ -19,7 +19,7 @@ from torch import nn
 
 from fedskew.analysis import write_fednca_analysis
 from fedskew.app_signing import with_unverified_app_cause
-from fedskew.client_tasks import VAL_COUNTS_KEY, local_optimisation, validation_report
+from fedskew.client_tasks import local_optimisation, validation_report
 from fedskew.config import (
     FEDERATED_EVALUATION, MAX_CLASSES, MAX_SITE_IMAGES, MAX_SITES, ConfigError, RunConfig, check_label_kind,
     current_run_config, sites_dir,
@@ -32,12 +32,12 @@ from fedskew.factory.library import _shown
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
 from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.privacy import check_resumed_privacy, private_strategy
+from fedskew.protocol import SURVEY_QUERY, VAL_COUNTS_KEY
 from fedskew.results import RESUME_MUST_MATCH, RunRecorder, read_json, write_json
 from fedskew.strategies import build_strategy
 from fedskew.strategies.messages import declared_sites
 from fedskew.training import evaluate, make_loader, train_local
 
-SURVEY = "query.site_survey"
 T = TypeVar("T")
 
 
@@ -161,7 +161,7 @@ def survey_sites(grid: Grid, node_ids: list[int], cfg: RunConfig) -> tuple[dict[
     """Ask every site for its label statistics (counts only: no data leaves a site). Returns (node -> its
     parsed survey, node -> why it is refused): a site whose ClientApp failed (the one line saying why) or
     whose reply `parse_survey` refuses."""
-    messages = [Message(RecordDict({"config": ConfigRecord()}), message_type=SURVEY, dst_node_id=n) for n in node_ids]
+    messages = [Message(RecordDict({"config": ConfigRecord()}), message_type=SURVEY_QUERY, dst_node_id=n) for n in node_ids]
     survey, refused = {}, {}
     for reply in grid.send_and_receive(messages, timeout=cfg.round_timeout):
         node = reply.metadata.src_node_id

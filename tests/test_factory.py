@@ -48,7 +48,8 @@ from fedskew.factory.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
 from fedskew.training import random_shift
-from fedskew.strategies.factory import decode_modules, encode_modules, releases_outside_the_guarantee
+from fedskew.protocol import decode_modules, encode_modules
+from fedskew.strategies.factory import releases_outside_the_guarantee
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum
 

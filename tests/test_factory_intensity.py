@@ -6,7 +6,8 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedskew.factory.intensity import INTENSITY_BINS, check_histograms, class_histograms, match_intensity, quantile_function
 from fedskew.factory.library import UploadRejected
-from fedskew.strategies.factory import INTENSITY_KEY, SiteIdentity, uploaded_histograms
+from fedskew.protocol import INTENSITY_KEY
+from fedskew.strategies.factory_flow import SiteIdentity, uploaded_histograms
 
 BIN = 1 / INTENSITY_BINS
 

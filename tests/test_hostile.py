@@ -27,15 +27,9 @@ from fedskew.models.edm2 import build_generator
 from fedskew.models.generator_io import state_dict_checksum
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import TaskShape
-from fedskew.strategies.factory import (
-    GUIDE_MANIFEST_KEY,
-    GUIDE_PREFIX,
-    FactoryFlow,
-    decode_modules,
-    encode_modules,
-    generator_payload_limit,
-    packed_weights,
-)
+from fedskew.factory.site import generator_payload_limit
+from fedskew.protocol import GUIDE_MANIFEST_KEY, GUIDE_PREFIX, decode_modules, encode_modules, packed_weights
+from fedskew.strategies.factory_flow import FactoryFlow
 from fedskew.strategies.messages import arrays_layout, training_reply_problem
 
 CFG = RunConfig.from_run_config(
@@ -248,16 +242,16 @@ def test_a_malformed_survey_reply_refuses_that_node_only(tmp_path, honest):
 
 
 def test_a_server_bug_while_checking_one_upload_rejects_it_loudly_and_the_run_goes_on(tmp_path, honest, monkeypatch, capsys):
-    from fedskew.strategies import factory
+    from fedskew.strategies import factory_flow
 
-    real = factory.validate_upload
+    real = factory_flow.validate_upload
 
     def buggy(manifest, states, **kwargs):
         if kwargs["site_id"] == 1:
             raise KeyError("a bug")
         return real(manifest, states, **kwargs)
 
-    monkeypatch.setattr(factory, "validate_upload", buggy)
+    monkeypatch.setattr(factory_flow, "validate_upload", buggy)
     library, (rejection,) = collect(tmp_path, honest, lambda honest: encode_modules(*honest[1]))
     assert [m.module_id for m in library.modules] == ["site0-class0"]
     assert "KeyError: 'a bug'" in rejection["reason"] and "fedskew bug" in rejection["reason"]

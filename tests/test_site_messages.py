@@ -333,8 +333,8 @@ from test_hostile import flow as factory_flow  # noqa: E402
 
 from fedskew.factory.library import Library, sampling_plan  # noqa: E402
 from fedskew.factory.site_validation import ClassScores  # noqa: E402
-from fedskew.strategies.factory import encode_modules, packed_weights  # noqa: E402
-from fedskew.strategies.factory_validation import SCORES_KEY, asking  # noqa: E402
+from fedskew.protocol import SCORES_KEY, encode_modules, packed_weights  # noqa: E402
+from fedskew.strategies.factory_validation import asking  # noqa: E402
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
@@ -453,7 +453,7 @@ def test_no_survey_claim_takes_more_than_half_of_a_class_another_site_holds(hone
 
 
 def test_fewer_accepted_uploads_than_min_available_sites_end_the_run_naming_the_rejection(honest):
-    from fedskew.strategies.factory import FactoryFlow
+    from fedskew.strategies.factory_flow import FactoryFlow
 
     from test_hostile import ScriptedGrid
 

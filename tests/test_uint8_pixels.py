@@ -29,7 +29,8 @@ from fedskew.fidelity import generator_fidelity
 from fedskew.models.edm2 import build_generator, sample, train_generator
 from fedskew.models.model_file import run_model_card, save_model_file
 from fedskew.predict import predict
-from fedskew.strategies.factory import (
+from fedskew.factory.site_handlers import site_expert, site_upload
+from fedskew.protocol import (
     EXPERT_KEY,
     GENERATOR_PREFIX,
     GUIDE_MANIFEST_KEY,
@@ -40,8 +41,6 @@ from fedskew.strategies.factory import (
     decode_manifest,
     decode_states,
     encode_modules,
-    site_expert,
-    site_upload,
     unpacked_weights,
 )
 from fedskew.training import evaluate

@@ -28,7 +28,8 @@ from fedskew.factory.library import (
 from fedskew.models.edm2 import CPU_PRESET, GeneratorConfig, build_generator
 from fedskew.models.generator_io import state_dict_checksum
 from fedskew.results import RunRecorder
-from fedskew.strategies.factory import decode_manifest, site_identities, unpacked_weights
+from fedskew.protocol import decode_manifest, unpacked_weights
+from fedskew.strategies.factory_flow import site_identities
 
 # Small budgets: the whole file runs in well under a minute on a loaded 2-core machine.
 FAST = settings(max_examples=25, deadline=3000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open  # noqa: E402
 from fedskew.config import FactorySection  # noqa: E402
 from fedskew.models.edm2 import GeneratorConfig, Guidance, Precond, sample  # noqa: E402
 from fedskew.progress import ProgressReporter  # noqa: E402
+from fedskew.protocol import UploadRejected  # noqa: E402
 from fedskew.factory.parallel import run_side_by_side, worker_count  # noqa: E402
 from fedskew.models.generator_io import (  # noqa: E402
     GeneratorFileError,
@@ -59,10 +60,6 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
 MAX_IMAGE_COUNT = 10**12
 # Noise is drawn per chunk of this many images, so a synthetic set does not depend on the batch size.
 NOISE_CHUNK = 256
-
-
-class UploadRejected(ValueError):
-    """An upload (or relayed library) that fails validation; the message says which module and why."""
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,14 @@ from fedskew.models.edm2 import (
     GeneratorConfig,
     Precond,
     budgeted_for_class,
+    build_generator,
     cpu_preset,
     sample,
     train_generator,
     with_batch_for_class_size,
 )
 from fedskew.models.generator_io import state_dict_checksum
+from fedskew.protocol import packed_size_limit
 
 
 def generator_preset(name: str, resolution: int) -> GeneratorConfig:
@@ -204,6 +206,14 @@ def planned_modules(
         planned_module(cfg, site_id, tuple(g), tuple(int(label_counts[c]) for c in g), image_shape, len(label_counts))
         for g in groups
     ]
+
+
+def generator_payload_limit(cfg: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> int:
+    """The most bytes one packed generator of this run takes: its architecture follows from the run config
+    and the image shape alone, so the limit is known before any upload arrives."""
+    classes = tuple(range(num_classes)) if cfg.factory.conditional else (0,)
+    probe = planned_module(cfg, 0, classes, (1,) * len(classes), image_shape, num_classes)
+    return packed_size_limit(build_generator(probe.config, "meta").state_dict())
 
 
 def classes_only(site: SiteData, classes: tuple[int, ...]) -> SiteData:

@@ -8,11 +8,10 @@ from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedMedian, FedP
 import torch
 from torch import nn
 
-from fedskew.client_tasks import UNIT_WEIGHT_KEY
 from fedskew.config import FEDERATED_METHODS, RunConfig
+from fedskew.protocol import EXAMPLES_KEY, UNIT_WEIGHT_KEY
 from fedskew.strategies.drift import FedDyn, Scaffold
 from fedskew.strategies.fednca import FedNCA
-from fedskew.strategies.messages import EXAMPLES_KEY
 from fedskew.strategies.recording import RecordingMixin
 
 

@@ -12,9 +12,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedskew.drift import SCAFFOLD_DELTA_PREFIX, feddyn_server_update, scaffold_server_update
+from fedskew.protocol import SCAFFOLD_CONTROL_KEY
 from fedskew.strategies.recording import RecordingMixin
-
-SCAFFOLD_CONTROL_KEY = "scaffold-control"
 
 
 class ServerCorrection(RecordingMixin, FedAvg):

@@ -5,31 +5,12 @@ sums come back as a MetricRecord."""
 from __future__ import annotations
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 
 from fedskew.config import RunConfig
-from fedskew.data.sites import SiteData
-from fedskew.factory.classifier import run_classifier, check_expert_weights
-from fedskew.factory.library import UploadRejected
-from fedskew.factory.site_validation import AskSites, ClassScores, class_scores, pooled, select_and_calibrate
-from fedskew.strategies.factory import FactoryFlow, TaskLike, packed_size_limit, packed_weights, unpacked_weights
-
-VALIDATION_MESSAGE = "query.factory_validation"
-CLASSIFIER_KEY = "classifier"
-SCORES_KEY = "scores"
-
-
-def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
-    """At a site: the class-level sums of the server's classifier on the site's validation split."""
-    if CLASSIFIER_KEY not in content.array_records:
-        raise UploadRejected("the validation query carries no classifier weights")
-    # The model is built first: its size bounds the payload before anything is unpacked.
-    model = run_classifier(cfg, tuple(site.train_images.shape[1:]), site.num_classes)
-    state = unpacked_weights(content[CLASSIFIER_KEY], "the server's classifier", packed_size_limit(model.state_dict()))
-    check_expert_weights(state, model.state_dict())
-    model.load_state_dict(state)
-    scores = class_scores(model, site.val_images, site.val_labels, site.num_classes, device)
-    return RecordDict({SCORES_KEY: MetricRecord(scores.to_metrics())})
+from fedskew.factory.site_validation import AskSites, ClassScores, pooled, select_and_calibrate
+from fedskew.protocol import CLASSIFIER_KEY, SCORES_KEY, VALIDATION_MESSAGE, packed_weights
+from fedskew.strategies.factory_flow import FactoryFlow, TaskLike
 
 
 def scores_of(content: RecordDict, num_classes: int, val_size: int, source: str) -> ClassScores:

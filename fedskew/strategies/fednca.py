@@ -20,13 +20,10 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedskew.drift import control_shifts
 from fedskew.models.fednca import etf_fingerprint
+from fedskew.protocol import CONTROL_SHIFT_KEY, ETF_KEY, GRADIENT_QUERY
 from fedskew.results import RunRecorder
 from fedskew.strategies.messages import Layout, training_reply_problem
 from fedskew.strategies.recording import RecordingMixin
-
-ETF_KEY = "etf"
-CONTROL_SHIFT_KEY = "control-shift"  # a site's c - c_i, sent with its training message
-GRADIENT_QUERY = "query.fednca_gradient"
 
 
 class FedNCA(RecordingMixin, FedAvg):

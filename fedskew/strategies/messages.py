@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from fedskew.client_tasks import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
+from fedskew.protocol import EXAMPLES_KEY, SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
 
-EXAMPLES_KEY = "num-examples"
 Layout = dict[str, tuple[int, ...]]  # array name -> shape
 
 

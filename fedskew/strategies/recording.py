@@ -13,7 +13,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from fedskew.client_tasks import VAL_COUNTS_KEY
+from fedskew.protocol import VAL_COUNTS_KEY
 from fedskew.results import RunRecorder
 from fedskew.strategies.messages import (
     EXAMPLES_KEY,

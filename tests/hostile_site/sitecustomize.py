@@ -1,6 +1,6 @@
 """Test-only: a SuperNode started with this folder first on its PYTHONPATH is a hostile FederatedFactory
 site (tests/test_deploy.py). Python imports `sitecustomize` at start-up in every process of that node;
-in its ClientApp processes, once the app imports fedskew.strategies.factory, the site's round-1 upload
+in its ClientApp processes, once the app imports fedskew.factory.site_handlers, the site's round-1 upload
 is replaced by a forged one (`forged_upload`): the site's own generators, untrained, with every lie of
 LIES told at once: it claims site 0's site-id and module ids, an impossible image count and an oversized
 generator (model_channels 2**40). The server refuses it at the first check it meets (the impostor);
@@ -16,7 +16,7 @@ import importlib.machinery
 import os
 import sys
 
-TARGET = "fedskew.strategies.factory"
+TARGET = "fedskew.factory.site_handlers"
 
 
 def claim_site_zero(manifest: dict, module: dict) -> None:
@@ -43,7 +43,7 @@ def forged_upload(cfg, site_id: int, label_counts: list[int], image_shape: tuple
     from fedskew.factory.site import planned_modules
     from fedskew.models.edm2 import build_generator
     from fedskew.models.generator_io import state_dict_checksum
-    from fedskew.strategies.factory import encode_modules
+    from fedskew.protocol import encode_modules
 
     modules = []
     for planned in planned_modules(cfg, site_id, label_counts, tuple(image_shape)):
