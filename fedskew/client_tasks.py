@@ -26,7 +26,7 @@ from fedskew.data.partition import label_cooccurrence, label_counts
 from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
 from fedskew.data.sites import SiteData, load_partition, site_in_simulation
 from fedskew.models.build import build_model
-from fedskew.models.fednca import check_simplex_etf, etf_fingerprint, fednca_loss, fednca_optimizer
+from fedskew.fednca_site import checked_etf, etf_echo, fednca_loss, fednca_optimizer
 from fedskew.metrics import counted_thresholds, threshold_counts
 from fedskew.protocol import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
 from fedskew.training import (
@@ -74,13 +74,8 @@ def site_survey(cfg: RunConfig, site: SiteData) -> dict:
 
 
 def received_etf(etf: np.ndarray | None, num_classes: int) -> torch.Tensor | None:
-    """The server's ETF, checked before use: a malformed matrix is refused with the reason."""
-    if etf is None:
-        return None
-    if etf.ndim != 2:
-        raise ValueError(f"refusing the server's ETF: expected a (dim, {num_classes}) matrix, got shape {etf.shape}")
-    check_simplex_etf(etf, num_classes, etf.shape[0])
-    return torch.from_numpy(np.array(etf, dtype=np.float32))
+    """The server's ETF, checked before use (None when the run's method has none)."""
+    return None if etf is None else checked_etf(etf, num_classes)
 
 
 def _site_model(
@@ -312,7 +307,7 @@ def train_site(
         metrics["proximal-mu"] = proximal_mu  # the mu this site trained with, recorded by the server
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.
-        metrics["etf-crc32"] = etf_fingerprint(etf)
+        metrics.update(etf_echo(etf))
     # One line per site and round where the site's operator (and, in simulation, `flwr run --stream`) sees it.
     print(f"site {site.site_id}: round {server_round} trained, {stats['num_examples']} examples, "
           f"loss {stats['train_loss']:.4f}, {stats['train_seconds']:.1f}s", flush=True)

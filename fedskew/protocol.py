@@ -34,6 +34,7 @@ UNIT_WEIGHT_KEY = "unit-weight"  # reported as 1 with every reply: the weight of
 VAL_COUNTS_KEY = "val-threshold-counts"
 SINGLE_LABEL_VAL_KEYS = ("val_accuracy", "val_balanced_accuracy")
 ETF_KEY = "etf"
+ETF_ECHO_KEY = "etf-crc32"  # the training metric that names the ETF a site trained against
 CONTROL_SHIFT_KEY = "control-shift"  # a site's c - c_i, sent with its training message
 SCAFFOLD_CONTROL_KEY = "scaffold-control"
 # FederatedFactory

@@ -94,13 +94,14 @@ def training_reply_problem(content: RecordDict, layout: Layout, weight_key: str,
 
 
 def validation_report_problem(
-    content: RecordDict, weight_keys: Iterable[str], multilabel: bool, declared: Declared | None
+    content: RecordDict, weight_keys: Iterable[str], multilabel: bool | None, declared: Declared | None
 ) -> str | None:
     """Why a site's validation reply cannot be averaged, or None when it can: one MetricRecord `metrics` and
     nothing else, the weights usable (`weight_problem`, bounded by the declared validation images), and the
     validation report's keys: the threshold counts (multi-label; checked by `counts_problem` when summed) or
-    accuracies in [0, 1] (single-label). Flower's averaging would otherwise abort the round, or let one
-    site's value stand for all."""
+    accuracies in [0, 1] (single-label). `multilabel` None: a report of a strategy used outside the app, whose
+    metrics are its user's own; only its structure and weights are checked. Flower's averaging would otherwise
+    abort the round, or let one site's value stand for all."""
     if list(content.array_records) or list(content.config_records) or list(content.metric_records) != ["metrics"]:
         return (f"expected only a MetricRecord 'metrics', found ArrayRecords {sorted(content.array_records)}, "
                 f"ConfigRecords {sorted(content.config_records)}, MetricRecords {sorted(content.metric_records)}")
@@ -108,6 +109,8 @@ def validation_report_problem(
     for key in weight_keys:
         if (problem := weight_problem(metrics, key, None if declared is None else declared.val_size)) is not None:
             return problem
+    if multilabel is None:
+        return None
     report_keys = (VAL_COUNTS_KEY,) if multilabel else SINGLE_LABEL_VAL_KEYS
     unexpected = sorted(set(metrics) - set(report_keys) - {EXAMPLES_KEY, UNIT_WEIGHT_KEY})
     if unexpected or any(key not in metrics for key in report_keys):

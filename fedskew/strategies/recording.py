@@ -1,6 +1,9 @@
 """A mixin that makes any Flower strategy report what a fedskew run records: bytes actually
 serialised in each direction per site, the latest aggregated train/validation metrics, and
-which sites failed in each round (with their reason)."""
+which sites failed in each round (with their reason). Recording is optional: a strategy that is
+never attached to a RunRecorder (one started in someone else's ServerApp) records nothing, numbers
+its rounds from 1 and sends to every connected node, and still bounds its waits, holds its rounds
+to the floor and refuses replies that cannot be averaged."""
 
 from __future__ import annotations
 
@@ -50,9 +53,13 @@ class RecordingMixin:
     """Put before a Flower strategy in the bases: `class X(RecordingMixin, FedAvg)`. Besides recording, it
     bounds every wait for the sites by `timeout` (run-config round-timeout) and holds each round to the floor
     `min_available_nodes` (run-config min-available-sites): fewer sites connected, or fewer usable replies,
-    end the run with TooFewSites naming the round and why the others are missing."""
+    end the run with TooFewSites naming the round and why the others are missing.
 
-    recorder: RunRecorder
+    Without `attach` the strategy stands alone: no recorder, round offset 0, no survey (every connected node is
+    asked and a site's weight is bounded by nothing it declared), and a validation report may hold any metrics
+    (only its structure and its weights are checked), since the app's report keys are the app's own."""
+
+    recorder: RunRecorder | None
     last_train_metrics: dict
     last_val_metrics: dict
     last_val_counts: np.ndarray | None
@@ -61,6 +68,7 @@ class RecordingMixin:
     def __init__(self, *args, timeout: float = 3600.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.timeout = timeout
+        self._begin(None)
 
     def attach(
         self, recorder: RunRecorder, round_offset: int = 0, declared: Mapping[int, Declared] | None = None,
@@ -72,6 +80,15 @@ class RecordingMixin:
         and their replies are held to it (None: every connected node, unbounded, for tests of other parts).
         `counts_shape` (multi-label runs): the shape of the validation threshold counts every site reports;
         the sites' counts are summed, not averaged."""
+        self._begin(recorder, round_offset, declared, counts_shape)
+        if self.declared:
+            # Results name sites by their site id; Flower knows them by node id (bytes, dropouts): the key between.
+            recorder.extra["site_ids"] = {str(node): d.site_id for node, d in sorted(self.declared.items())}
+
+    def _begin(
+        self, recorder: RunRecorder | None, round_offset: int = 0, declared: Mapping[int, Declared] | None = None,
+        counts_shape: tuple[int, ...] | None = None,
+    ) -> None:  # fmt: skip
         self.recorder = recorder
         self.round_offset = round_offset
         self.declared = None if declared is None else dict(declared)
@@ -82,9 +99,12 @@ class RecordingMixin:
         self.last_train_metrics, self.last_val_metrics, self.last_val_counts = {}, {}, None
         self.sent_layout: Layout = {}
         self.accepted_updates = 0
-        if self.declared:
-            # Results name sites by their site id; Flower knows them by node id (bytes, dropouts): the key between.
-            recorder.extra["site_ids"] = {str(node): d.site_id for node, d in sorted(self.declared.items())}
+        self.dropped: list[dict] = []  # {"round", "site", "reason"} of every site this strategy dropped
+
+    def record_extra(self, key: str, entry: dict) -> None:
+        """Append `entry` to the recorder's list `key` (summary.json); nothing when no recorder is attached."""
+        if self.recorder is not None:
+            self.recorder.extra.setdefault(key, []).append(entry)
 
     def site_name(self, node: int | str) -> str:
         """How logs and reasons name a site: its declared site id beside its node id, when it has one."""
@@ -99,7 +119,8 @@ class RecordingMixin:
         self.asked, self.answered = {msg.metadata.dst_node_id for msg in messages}, set()
         for msg in messages:
             self.destinations[msg.object_id] = msg.metadata.dst_node_id
-            self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
+            if self.recorder is not None:
+                self.recorder.count_bytes("sent", str(msg.metadata.dst_node_id), payload_nbytes(msg))
         return messages
 
     def _site_of(self, reply: Message) -> str:
@@ -115,7 +136,7 @@ class RecordingMixin:
             self.answered.add(int(site))
             if msg.has_error():
                 self._drop(server_round, site, msg.error.reason)
-            else:
+            elif self.recorder is not None:
                 self.recorder.count_bytes("received", site, payload_nbytes(msg))
         return replies
 
@@ -155,7 +176,7 @@ class RecordingMixin:
         if not self.asked or usable >= self.min_available_nodes:
             return
         lost = [d["reason"] if d["reason"].startswith("site ") else f"{self.site_name(d['site'])}: {d['reason']}"
-                for d in self.recorder.dropped if d["round"] == server_round] + list(refusals)
+                for d in self.dropped if d["round"] == server_round] + list(refusals)
         raise TooFewSites(f"round {server_round}: {usable} of {len(self.asked)} site(s) sent a usable {what}, fewer than "
                           f"min-available-sites = {self.min_available_nodes} (a floor for every round). "
                           + " | ".join(lost))  # fmt: skip
@@ -200,6 +221,9 @@ class RecordingMixin:
         return kept
 
     def _drop(self, server_round: int, site: str, reason: str) -> None:
+        self.dropped.append({"round": server_round, "site": site, "reason": reason})
+        if self.recorder is None:
+            return
         self.recorder.record_dropout(server_round, site, reason)
         declared = (self.declared or {}).get(int(site))
         if declared is not None:
@@ -221,15 +245,17 @@ class RecordingMixin:
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         server_round += self.round_offset
-        weights = {self.weighted_by_key, EXAMPLES_KEY}
+        attached = self.recorder is not None  # the app's report (its keys, weighted by examples), else any metrics
+        weights = {self.weighted_by_key, EXAMPLES_KEY} if attached else {self.weighted_by_key}
+        multilabel = (self.counts_shape is not None) if attached else None
         replies = self._count_in(server_round, replies)
         self._record_missing(server_round, "validation report")
         replies = self._screened(server_round, replies, "validation report", lambda reply: validation_report_problem(
-                                     reply.content, weights, self.counts_shape is not None, self._declared_of(reply)))
+                                     reply.content, weights, multilabel, self._declared_of(reply)))
         replies = self._sum_counts(server_round, replies)
         self.require_floor(server_round, sum(not m.has_error() for m in replies), "validation report")
         metrics = super().aggregate_evaluate(server_round, replies)
-        if metrics is not None and self.weighted_by_key != EXAMPLES_KEY:
+        if metrics is not None and attached and self.weighted_by_key != EXAMPLES_KEY:
             # Validation metrics pick the best round: always weighted by examples, whatever the model averaging.
             metrics = aggregate_metricrecords([m.content for m in replies if not m.has_error()], EXAMPLES_KEY)
         self.last_val_metrics = dict(metrics) if metrics is not None else {}

@@ -1,0 +1,90 @@
+"""fedskew's strategies in someone else's ServerApp: built from plain arguments, started with Flower's own
+`start`, never attached to a RunRecorder; they still screen the replies and hold the floor, and a validation
+report may hold the user's own metrics. Sites here are a fake Grid that answers like ClientApps would."""
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp.strategy import Result
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedskew.drift import SCAFFOLD_DELTA_PREFIX
+from fedskew.fednca_site import etf_echo, etf_from_message
+from fedskew.strategies import FedDyn, FedNCA, RecordedFedAvg, Scaffold
+
+ETF = np.array([[1.0, -1.0]], dtype=np.float32)  # a simplex ETF for 2 classes in 1 dimension
+
+
+def one_weight(value: float) -> ArrayRecord:
+    return ArrayRecord({"w": Array(np.full(1, value, np.float32))})
+
+
+class ThreeSites:
+    """Nodes 1-3: site k trains the sent weight w to w + k (SCAFFOLD's delta c = 1) on 10 examples, or to NaN when
+    it is `broken`; it validates with the user's own metric 'loss' = k."""
+
+    def __init__(self, broken: int | None = None):
+        self.broken = broken
+        self.etfs_seen: list[torch.Tensor] = []
+
+    def get_node_ids(self) -> list[int]:
+        return [1, 2, 3]
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(self.answer(m.metadata.dst_node_id, m.metadata.message_type, m.content), reply_to=m)
+                for m in messages]
+
+    def answer(self, node: int, message_type: str, content: RecordDict) -> RecordDict:
+        if "etf" in content.array_records:
+            self.etfs_seen.append(etf_from_message(content, num_classes=2))
+        if message_type == MessageType.EVALUATE:
+            return RecordDict({"metrics": MetricRecord({"num-examples": 10, "loss": float(node)})})
+        sent = content["arrays"].to_torch_state_dict()["w"].item()
+        arrays = {"w": np.full(1, np.nan if node == self.broken else sent + node, np.float32)}
+        if "scaffold-control" in content.array_records:
+            arrays[SCAFFOLD_DELTA_PREFIX + "w"] = np.ones(1, np.float32)
+        metrics = {"num-examples": 10, **(etf_echo(ETF) if "etf" in content.array_records else {})}
+        return RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                           "metrics": MetricRecord(metrics)})
+
+
+@pytest.fixture(autouse=True)
+def messages_outside_a_flower_runtime(monkeypatch):
+    for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+# Two rounds from w = 0; the sites' mean update is w + 2 (sites add 1, 2, 3, equally weighted).
+# FedDyn, alpha 0.5, every site answering: round 1 x = 0, mean y = 2: h = -0.5 * 2 = -1, theta = 2 + 1 / 0.5 = 4;
+# round 2 x = 4, mean y = 6: h = -1 - 0.5 * 2 = -2, theta = 6 + 2 / 0.5 = 10.
+@pytest.mark.parametrize("strategy, final_w", [
+    (RecordedFedAvg(), 4.0),
+    (FedNCA(ETF), 4.0),
+    (FedNCA(torch.from_numpy(ETF)), 4.0),
+    (Scaffold({"w": torch.Size([1])}, num_sites=3), 4.0),
+    (FedDyn({"w": torch.Size([1])}, num_sites=3, alpha=0.5), 10.0),
+], ids=["fedavg", "fednca-numpy-etf", "fednca-torch-etf", "scaffold", "feddyn"])
+def test_a_strategy_never_attached_runs_flowers_start_and_returns_its_result(strategy, final_w):
+    sites = ThreeSites()
+    result = strategy.start(grid=sites, initial_arrays=one_weight(0.0), num_rounds=2, timeout=5)
+    assert isinstance(result, Result)
+    assert result.arrays.to_torch_state_dict()["w"].item() == pytest.approx(final_w)
+    # The user's own validation metric, averaged over the sites by examples: (1 + 2 + 3) / 3.
+    assert [dict(result.evaluate_metrics_clientapp[r])["loss"] for r in (1, 2)] == pytest.approx([2.0, 2.0])
+    if isinstance(strategy, Scaffold):  # c = 0 + 1 * mean delta c (1), twice
+        assert strategy.control["w"].item() == pytest.approx(2.0)
+    if isinstance(strategy, FedNCA):  # every training and evaluation message carried the server's ETF
+        assert len(sites.etfs_seen) == 12 and all(torch.equal(e, torch.from_numpy(ETF)) for e in sites.etfs_seen)
+
+
+def test_a_strategy_never_attached_still_refuses_an_unusable_reply_and_holds_the_floor():
+    strategy = FedNCA(ETF, min_available_nodes=2, min_train_nodes=2)
+    result = strategy.start(grid=ThreeSites(broken=3), initial_arrays=one_weight(0.0), num_rounds=1, timeout=5)
+    assert result.arrays.to_torch_state_dict()["w"].item() == pytest.approx(1.5)  # sites 1 and 2 only
+    (dropped,) = strategy.dropped
+    assert dropped["round"] == 1 and "site 3: round 1 update refused: array 'w' holds NaN" in dropped["reason"]
+    with pytest.raises(RuntimeError, match="2 of 3 site\\(s\\) sent a usable training reply, fewer than "
+                                           r"min-available-sites = 3 .*site 3: round 1 update refused"):
+        FedNCA(ETF, min_available_nodes=3, min_train_nodes=3).start(
+            grid=ThreeSites(broken=3), initial_arrays=one_weight(0.0), num_rounds=1, timeout=5)
