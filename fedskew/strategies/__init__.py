@@ -1,4 +1,6 @@
-"""Strategies by run-config `method`: Flower's own where they suffice, subclassed only for what we add."""
+"""Strategies by run-config `method`: Flower's own where they suffice, subclassed only for what we add.
+Each is also a plain Flower strategy for a ServerApp of one's own (FedNCA, Scaffold, FedDyn, the Recorded*
+classes): built from plain arguments, started with Flower's `start`, recording only when attached (docs/api.md)."""
 
 from __future__ import annotations
 
