@@ -4,8 +4,6 @@ user's own, with the user's own model and data loader, run through a real `flwr 
 import re
 from pathlib import Path
 
-from fedskew.launch import SimulationSuperLink
-
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fednca-own-model"
 # Chance: the server's test set holds 512 images x 3 classes = 1536 decisions, each class present with
 # probability 1/2, so a model blind to the images is right on 0.5 of them, give or take sqrt(0.25 / 1536) =
@@ -13,9 +11,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fednca-own-mode
 FLOOR = 0.6
 
 
-def test_the_api_example_runs_through_flwr_run_and_learns(tmp_path):
-    with SimulationSuperLink(tmp_path / "flwr-home") as link:
-        outcome = link.run_app({}, num_supernodes=2, app_dir=EXAMPLE, ray_cpus=1, timeout=600)
+def test_the_api_example_runs_through_flwr_run_and_learns(tiny_run_superlink):
+    outcome = tiny_run_superlink.run_app({}, num_supernodes=2, app_dir=EXAMPLE, timeout=600)
     assert outcome.completed, outcome.output[-4000:]
     accuracy = float(re.search(r"final test label-accuracy: ([0-9.]+)", outcome.output).group(1))
     assert accuracy > FLOOR, outcome.output[-4000:]
