@@ -39,7 +39,7 @@ from bench.compare import parse_run_config
 from bench.gpu_check import DeviceClock, steady_rate
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, run_classifier, train_classifier
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
@@ -67,6 +67,7 @@ from fedskew.factory.site import (
     train_site_generators,
 )
 from fedskew.models.edm2 import train_generator
+from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
 from fedskew.fidelity import classifier_features, mean_over_classes, per_class_fidelity
 from fedskew.training import evaluate, pick_device

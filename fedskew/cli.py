@@ -95,7 +95,7 @@ def register_prepare_sites(subparsers: argparse._SubParsersAction) -> None:
 
 def run_unlearn(args: argparse.Namespace) -> int:
     # Imported here: it pulls in torch and the Flower server side, which other subcommands do not need.
-    from fedskew.factory.unlearn import unlearn
+    from fedskew.unlearn import unlearn
 
     target = unlearn(args.run_dir, site=args.site, class_id=args.class_id, out=args.out)
     print((target / "unlearning.md").read_text())

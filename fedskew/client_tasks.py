@@ -23,8 +23,8 @@ from fedskew.drift import (
     zeros_like_parameters,
 )
 from fedskew.data.partition import label_cooccurrence, label_counts
-from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site
-from fedskew.data.sites import SiteData, load_partition, site_in_simulation
+from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site, site_in_simulation
+from fedskew.data.sites import SiteData, load_partition
 from fedskew.models.build import build_model
 from fedskew.fednca_site import checked_etf, etf_echo, fednca_loss, fednca_optimizer
 from fedskew.metrics import counted_thresholds, threshold_counts

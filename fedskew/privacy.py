@@ -18,14 +18,12 @@ metrics, and the number of examples a site reports.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-from dp_accounting import DpEvent, GaussianDpEvent
-from dp_accounting.rdp import RdpAccountant
+from dp_accounting import GaussianDpEvent
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.app.message_type import MessageType
 from flwr.clientapp.mod import LocalDpMod, adaptiveclipping_mod, fixedclipping_mod
@@ -39,6 +37,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
+from fedskew.accountant import epsilon_of
 from fedskew.config import DPSection, RunConfig
 from fedskew.results import RunRecorder
 from fedskew.protocol import ETF_KEY
@@ -48,25 +47,6 @@ LOCAL = "local"
 
 
 # --- accounting --------------------------------------------------------------------------------
-
-
-def epsilon_of(events: Iterable[DpEvent], delta: float) -> float:
-    """Epsilon at `delta` of the composition of dp-accounting `events` in its RDP accountant; 0 for none."""
-    events = list(events)
-    if not events:
-        return 0.0
-    # For subsampled events at large rates dp-accounting warns about every fractional RDP order it cannot
-    # evaluate and leaves out (the epsilon is the minimum over the orders that remain): kept out of site logs.
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        accountant = RdpAccountant()
-        for event in events:
-            accountant.compose(event)
-        return float(accountant.get_epsilon(delta))
-    finally:
-        absl_logger.setLevel(level)
 
 
 def epsilon_spent(noise_multipliers: Iterable[float], delta: float) -> float:

@@ -25,8 +25,8 @@ from fedskew.config import (
     current_run_config, sites_dir,
 )
 from fedskew.data.plots import plot_cooccurrence, plot_label_counts
-from fedskew.data.site_folder import load_test_set, site_folders, site_names
-from fedskew.data.sites import load_partition, load_task_dataset, pooled_site_data
+from fedskew.data.site_folder import load_test_set, pooled_site_data, site_folders, site_names
+from fedskew.data.sites import load_partition, load_task_dataset
 from fedskew.data.sources import ImageDataset
 from fedskew.factory.library import _shown
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds

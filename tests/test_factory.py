@@ -17,7 +17,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedskew.cli import main as cli_main
 from fedskew.config import AUTO_GUIDE_STEPS_WIDE, RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.factory.classifier import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts, stratified_holdout
+from fedskew.factory.classifier import stratified_holdout
+from fedskew.models.ensemble import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
@@ -44,7 +45,7 @@ from fedskew.factory.site import (
     p2p_samples_per_class,
     planned_modules,
 )
-from fedskew.factory.unlearn import unlearn
+from fedskew.unlearn import unlearn
 from fedskew.launch import SimulationSuperLink
 from fedskew.predict import predict
 from fedskew.training import random_shift

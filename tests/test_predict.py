@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
-from fedskew.factory.classifier import ExpertEnsemble, build_classifier, run_classifier
+from fedskew.factory.classifier import build_classifier, run_classifier
+from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.models.build import build_model, server_etf
 from fedskew.metrics import multilabel_metrics
 from fedskew.models.model_file import ModelFileError, load_model_file, read_model_file, run_model_card, save_model_file

@@ -16,8 +16,8 @@ from PIL import Image
 from fedskew.cli import main as cli_main
 from fedskew.client_tasks import load_site, site_survey
 from fedskew.config import ConfigError, RunConfig, check_label_kind
-from fedskew.data.site_folder import check_site_count, prepare_sites, read_labelled_folder, site_folders
-from fedskew.data.sites import load_task_dataset, pooled_site_data, simulated_site
+from fedskew.data.site_folder import check_site_count, pooled_site_data, prepare_sites, read_labelled_folder, site_folders
+from fedskew.data.sites import load_task_dataset, simulated_site
 from fedskew.results import RunRecorder, run_dir_name
 from fedskew.server_tasks import TaskShape, load_server_test_set, train_centralized
 

@@ -99,32 +99,3 @@ def simulated_site(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
         num_classes=dataset.num_classes,
         class_names=dataset.class_names,
     )
-
-
-def site_in_simulation(cfg: RunConfig, site_id: int, num_sites: int) -> SiteData:
-    """What simulated SuperNode `site_id` of `num_sites` trains on: with dataset sites:<dir> its own site
-    folder, otherwise its share of the partition."""
-    if sites_dir(cfg.dataset) is None:
-        return simulated_site(cfg, site_id, num_sites)
-    from fedskew.data.site_folder import folder_site  # imported here: site_folder builds on this module
-
-    return folder_site(cfg, site_id, num_sites)
-
-
-def pooled_site_data(cfg: RunConfig, num_sites: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train images, train labels, validation images, validation labels): the union of every site's local
-    training and validation splits, exactly what the federation trains and selects on, pooled."""
-    sites = [site_in_simulation(cfg, k, num_sites) for k in range(num_sites)]
-    task = {(s.multilabel, s.num_classes, s.train_images.shape[1:]) for s in sites}
-    if len(task) > 1:
-        # Only site folders can differ (a partition shares its dataset's task); site k is the k-th folder.
-        raise ValueError("the sites' data cannot be pooled, their tasks differ: " + "; ".join(
-            f"site {s.site_id}: {'multi' if s.multilabel else 'single'}-label, {s.num_classes} classes, images "
-            f"{tuple(s.train_images.shape[1:])}" for s in sites
-        ))  # fmt: skip
-    return (
-        np.concatenate([s.train_images for s in sites]),
-        np.concatenate([s.train_labels for s in sites]),
-        np.concatenate([s.val_images for s in sites]),
-        np.concatenate([s.val_labels for s in sites]),
-    )

@@ -12,7 +12,6 @@ import hashlib
 import math
 import os
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -20,19 +19,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from medmnist import INFO as MEDMNIST_INFO
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torchvision.datasets import CIFAR10
 from torchvision.datasets.utils import download_url
 
 from fedskew.config import GENERATED_DATASETS
+from fedskew.data.image_dataset import ImageDataset, load_digits_source
 from fedskew.data.pixels import unit_float
+from fedskew.data.synthetic import load_synthetic
 
 MEDMNIST_SIZES = (28, 64, 128, 224)
 MEDMNIST_2D_NAMES = tuple(name for name in MEDMNIST_INFO if not name.endswith("3d"))
 NPZ_SPLITS = ("train", "val", "test")
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-DIGITS_TEST_FRACTION = 0.2
 DATASET_FORMS = (
     "'digits', 'cifar10', 'medmnist:<name>' (name one of " + ", ".join(MEDMNIST_2D_NAMES) + ") "
     "'npz:<path>' (a file in MedMNIST npz layout; a relative path is taken under data-root) or a generated set: "
@@ -42,39 +40,6 @@ DATASET_FORMS = (
 
 class DataSourceError(ValueError):
     """A dataset cannot be loaded: unknown name, missing or corrupt file, malformed content."""
-
-
-@dataclass(frozen=True, eq=False)
-class ImageDataset:
-    train_images: np.ndarray  # (N, C, H, W): float32 in [0, 1] or uint8 0-255 (see fedskew/data/pixels.py)
-    train_labels: np.ndarray  # int64 (N,) class ids or float32 (N, K) multi-hot
-    test_images: np.ndarray
-    test_labels: np.ndarray
-    num_classes: int
-    class_names: tuple[str, ...]
-    name: str
-
-    def __post_init__(self) -> None:
-        for split in ("train", "test"):
-            images, labels = getattr(self, f"{split}_images"), getattr(self, f"{split}_labels")
-            if images.ndim != 4 or len(images) != len(labels):
-                raise ValueError(
-                    f"{self.name}: {split} images {images.shape} and labels {labels.shape}; "
-                    "expected (N, C, H, W) images and N label rows"
-                )
-        if self.train_labels.ndim != self.test_labels.ndim or self.train_images.shape[1:] != self.test_images.shape[1:]:
-            raise ValueError(f"{self.name}: train and test splits differ in label kind or image shape")
-        if len(self.class_names) != self.num_classes:
-            raise ValueError(f"{self.name}: {len(self.class_names)} class names for {self.num_classes} classes")
-
-    @property
-    def multilabel(self) -> bool:
-        return self.train_labels.ndim == 2
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        channels, height, width = self.train_images.shape[1:]
-        return channels, height, width
 
 
 def load_source(
@@ -101,8 +66,6 @@ def load_source(
         path = Path(argument).expanduser()
         source = load_npz(path if path.is_absolute() else Path(data_root).expanduser() / path)
     elif dataset in GENERATED_DATASETS:
-        from fedskew.data.synthetic import load_synthetic  # it builds on this module's ImageDataset
-
         source = load_synthetic(dataset, image_size, seed)  # drawn at image_size: the resize below is a no-op
     else:
         raise DataSourceError(f"unknown dataset {dataset!r}; valid forms: {DATASET_FORMS}")
@@ -134,24 +97,6 @@ def resize_dataset(dataset: ImageDataset, image_size: int) -> ImageDataset:
         num_classes=dataset.num_classes,
         class_names=dataset.class_names,
         name=dataset.name,
-    )
-
-
-def load_digits_source(seed: int) -> ImageDataset:
-    bunch = load_digits()
-    images = (bunch.images / 16.0).astype(np.float32)[:, None]
-    labels = bunch.target.astype(np.int64)
-    train_images, test_images, train_labels, test_labels = train_test_split(
-        images, labels, test_size=DIGITS_TEST_FRACTION, stratify=labels, random_state=seed
-    )
-    return ImageDataset(
-        train_images=train_images,
-        train_labels=train_labels,
-        test_images=test_images,
-        test_labels=test_labels,
-        num_classes=10,
-        class_names=tuple(str(digit) for digit in range(10)),
-        name="digits",
     )
 
 

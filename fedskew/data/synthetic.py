@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.config import GENERATED_DATASETS
-from fedskew.data.sources import ImageDataset, load_digits_source
+from fedskew.data.image_dataset import ImageDataset, load_digits_source
 
 SHAPE_CLASSES = (
     "circle", "square", "triangle", "plus", "ring", "star", "crescent", "half-disc", "bar", "frame"

@@ -1,10 +1,10 @@
 """FederatedFactory (Moleri et al., arXiv:2603.16370; docs/factory.md) as plain functions.
 
-site.py        what a site does: train its generators, audit them for memorisation, train a P2P expert
+site.py           what a site does: train its generators, audit them for memorisation, train a P2P expert
 site_handlers.py  a site's replies to the server's upload, relay and validation messages
-library.py     the generator library: upload validation, library files, class-balanced synthesis, grids
-classifier.py  classifier training on synthetic (+ real) data and the Product of Experts
-unlearn.py     modular unlearning of a finished run (new run directory, source untouched)
+library.py        the generator library: upload validation, library files, class-balanced synthesis, grids
+classifier.py     classifier training on synthetic (+ real) data (the Product of Experts: fedskew/models/ensemble.py)
 
-The server's rounds are in fedskew/strategies/factory.py; the records both sides exchange in fedskew/protocol.py.
+The server's rounds are in fedskew/strategies/factory.py, the records both sides exchange in
+fedskew/protocol.py, and modular unlearning of a finished run in fedskew/unlearn.py.
 """

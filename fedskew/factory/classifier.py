@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,14 +19,11 @@ from torch import nn
 
 from fedskew.config import RunConfig
 from fedskew.factory.library import UploadRejected
-from fedskew.models.backbones import Classifier, build_backbone
+from fedskew.models.backbones import Classifier, build_classifier
+from fedskew.models.ensemble import LOG_PROB_FLOOR
 from fedskew.models.build import weights_mismatch
 from fedskew.models.edm2 import augment as flip_rotate
 from fedskew.training import EVAL_BATCH_SIZE, LossFn, make_loader, predict, random_shift, train_local
-
-# log(1e-12): an expert that rules a class out cannot veto it by more than this.
-LOG_PROB_FLOOR = math.log(1e-12)
-
 
 @dataclass(frozen=True)
 class ClassifierRecipe:
@@ -49,11 +45,6 @@ class ClassifierRecipe:
             factory.classifier_weight_decay, factory.classifier_batch_size, factory.augment,
             factory.classifier_patience,
         )  # fmt: skip
-
-
-def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int, feature_side: int) -> Classifier:
-    channels, height, _ = image_shape
-    return Classifier(build_backbone(arch, channels, height, feature_side=feature_side), num_classes)
 
 
 def run_classifier(cfg: RunConfig, image_shape: tuple[int, int, int], num_classes: int) -> Classifier:
@@ -164,26 +155,6 @@ def train_classifier(
         "last_epoch": epoch,
         **best,
     }
-
-
-def product_of_experts(expert_logits: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum over experts of log_softmax, each clamped at log(1e-12); softmax of the sum gives the PoE
-    probabilities and its argmax the prediction."""
-    if not expert_logits:
-        raise ValueError("product_of_experts needs at least one expert's logits")
-    return torch.stack([F.log_softmax(l.float(), dim=-1).clamp(min=LOG_PROB_FLOOR) for l in expert_logits]).sum(0)
-
-
-class ExpertEnsemble(nn.Module):
-    """The P2P model: forward returns the PoE score, so fedskew.training.evaluate's softmax yields the
-    PoE probabilities."""
-
-    def __init__(self, experts: Sequence[nn.Module]):
-        super().__init__()
-        self.experts = nn.ModuleList(experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product_of_experts([expert(x) for expert in self.experts])
 
 
 def check_expert_weights(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:

@@ -10,7 +10,7 @@ the forward pass, so each gradient is taken at normalised weights) and the EMA a
 step's: they only post-process the noised gradients. The steps, q and the multiplier are fixed by the
 run config and the class size before training, so the guarantee is known (and checked against
 `factory.max-epsilon`) before any image is touched: `steps` Poisson-subsampled Gaussian mechanisms,
-composed in dp-accounting's RDP accountant (fedskew.privacy.epsilon_of). Unit of privacy: one
+composed in dp-accounting's RDP accountant (fedskew.accountant.epsilon_of). Unit of privacy: one
 training image (add or remove). The sampling and the noise draw from OS entropy, never from the run's
 seed, which the server knows: a known noise or batch sequence voids the guarantee.
 """
@@ -28,9 +28,9 @@ import torch
 from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedskew.accountant import epsilon_of
 from fedskew.config import FactorySection
 from fedskew.models.edm2 import GeneratorConfig, Precond, elementwise_loss, training_noise
-from fedskew.privacy import epsilon_of
 
 ACCOUNTANT = "dp-accounting RDP, Poisson-subsampled Gaussian"
 # Per-image gradients are taken in chunks holding at most this many gradient values (256 MiB in fp32).

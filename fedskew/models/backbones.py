@@ -174,3 +174,8 @@ class Classifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone.forward_features(x).mean(dim=(2, 3)))
+
+
+def build_classifier(arch: str, image_shape: tuple[int, int, int], num_classes: int, feature_side: int) -> Classifier:
+    channels, height, _ = image_shape
+    return Classifier(build_backbone(arch, channels, height, feature_side=feature_side), num_classes)

@@ -21,6 +21,9 @@ from torch import nn
 
 from fedskew.config import RunConfig, current_run_config
 from fedskew.metrics import DEFAULT_THRESHOLD
+from fedskew.models.backbones import build_classifier
+from fedskew.models.build import build_model
+from fedskew.models.ensemble import ExpertEnsemble
 
 FORMAT = "fedskew-model/1"
 METADATA_KEY = "fedskew"
@@ -158,10 +161,6 @@ def weights_only(path: str | Path) -> dict[str, torch.Tensor]:
 
 def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
     """The untrained model a card describes (the same constructors the run used)."""
-    # Imported here: the factory classifier pulls in the EDM2 module, which plain runs never need.
-    from fedskew.factory.classifier import ExpertEnsemble, build_classifier
-    from fedskew.models.build import build_model
-
     cfg = RunConfig.from_run_config(current_run_config(card.run_config))
     num_classes = len(card.class_names)
     if card.method in ("factory", "factory-p2p"):

@@ -29,11 +29,12 @@ from safetensors.torch import save_file
 
 from fedskew.config import RunConfig
 from fedskew.data.sources import ImageDataset
-from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, train_classifier
 from fedskew.factory.intensity import match_intensity
 from fedskew.factory.library import GUIDES_DIR, SYNTHETIC_FILE, Library, class_balanced_set, save_class_grids, save_synthetic, write_library
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.fidelity import record_fidelity
+from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.results import RunRecorder, write_json
 from fedskew.strategies.factory_flow import Expert, FactoryFlow, TaskLike
 from fedskew.strategies.factory_validation import validate_at_sites

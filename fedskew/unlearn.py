@@ -23,9 +23,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from fedskew.config import RunConfig
-from fedskew.factory.classifier import ClassifierRecipe, ExpertEnsemble, run_classifier, train_classifier
+from fedskew.factory.classifier import ClassifierRecipe, run_classifier, train_classifier
 from fedskew.factory.library import GUIDES_DIR, SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
 from fedskew.models.build import weights_mismatch
+from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.models.model_file import load_model_file
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder, read_json, write_json
