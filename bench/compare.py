@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from fedskew.config import SINGLE_LABEL_METHODS, RunConfig, current_run_config  # noqa: E402
 from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
-from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
+from fedskew.testing.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
 from fedskew.models.build import build_model  # noqa: E402
 from fedskew.report import write_report as write_html_report  # noqa: E402
 from fedskew.training import evaluate, pick_device  # noqa: E402

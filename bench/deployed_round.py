@@ -2,7 +2,7 @@
 
     python -m bench.deployed_round --images 2000 --side 64 --rounds 3 --repeats 2 --out /tmp/deployed-round
 
-Starts real processes on this host (fedskew.deploy): a SuperLink with TLS and SuperNode authentication,
+Starts real processes on this host (fedskew.testing.deploy): a SuperLink with TLS and SuperNode authentication,
 and three SuperNodes, each reading its own folder of `--images` PNG images with labels.csv (random grey
 images, '|'-joined labels over 6 classes). Every message runs in a fresh ClientApp process, so without
 the cache a site decodes its whole folder for the survey and for every train and evaluate message. The
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fedskew.data.site_folder import write_labelled_folder
-from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connected
+from fedskew.testing.deploy import SuperLink, SuperNode, TlsFiles, connected
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -3,7 +3,7 @@ a growing number of simulated sites, through real Flower simulations on this mac
 
     python -m bench.scaling --sites 5,10,20,50 --out bench/results/scaling
 
-Every point is one `flwr run` of the app (fedskew.launch.SimulationSuperLink) with `num-supernodes` = the
+Every point is one `flwr run` of the app (fedskew.testing.launch.SimulationSuperLink) with `num-supernodes` = the
 number of sites and `client-resources-num-cpus` = --cpus-per-client, so the machine runs cores /
 cpus-per-client ClientApps at a time and Ray queues the rest. The data set is the same at every size: more
 sites means smaller sites (strong scaling), so the curve shows what each extra site adds on top of the same
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from bench.compare import completed_run, parse_run_config  # noqa: E402
 from fedskew.config import RunConfig  # noqa: E402
-from fedskew.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
+from fedskew.testing.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
 
 FEDNCA_CONFIG = "method='fednca' num-server-rounds=1 local-epochs=3"
 # Two classes per site cover the 10 digit classes from 5 sites on (single-class sites would need 10), and at

@@ -175,7 +175,7 @@ pki_and_data() {
 
 write_connection() {  # FLWR_HOME, address: a config.toml whose default connection uses TLS with the demo's CA
   mkdir -p "$1"
-  python3 -c "import sys; from fedskew.deploy import connection_toml; print(connection_toml(*sys.argv[1:]), end='')" \
+  python3 -c "import sys; from fedskew.testing.deploy import connection_toml; print(connection_toml(*sys.argv[1:]), end='')" \
     fedskew-demo "$2" "$WORK/certs/ca.crt" >"$1/config.toml"
 }
 

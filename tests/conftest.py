@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from fedskew.launch import SimulationSuperLink  # noqa: E402
+from fedskew.testing.launch import SimulationSuperLink  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):

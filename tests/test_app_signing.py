@@ -21,7 +21,7 @@ from system_tools import require_tool
 
 from fedskew.app_signing import UNVERIFIED_APP_CAUSE, AppIndex, publish_app, signature_record
 from fedskew.cli import main as cli_main
-from fedskew.launch import APP_DIR, free_port
+from fedskew.testing.launch import APP_DIR, free_port
 from fedskew.server_tasks import site_failure
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
@@ -50,9 +50,11 @@ def tiny_app(tmp_path_factory):
 
 
 def test_the_apps_bundle_holds_the_package_and_what_the_docker_image_copies_nothing_else():
-    """Every site downloads the FAB (and every run installs it): benchmarks, docs and tests stay home."""
+    """Every site downloads the FAB (and every run installs it): benchmarks, docs, tests and the process
+    management for tests (fedskew/testing) stay home."""
     names = set(zipfile.ZipFile(BytesIO(build_fab_from_disk(APP_DIR))).namelist()) - {".info/CONTENT"}
-    package = {str(p.relative_to(APP_DIR)) for p in (APP_DIR / "fedskew").rglob("*.py") if "__pycache__" not in p.parts}
+    package = {str(p.relative_to(APP_DIR)) for p in (APP_DIR / "fedskew").rglob("*.py")
+               if "__pycache__" not in p.parts and p.relative_to(APP_DIR).parts[:2] != ("fedskew", "testing")}  # fmt: skip
     assert names == package | {"pyproject.toml", "README.md", "LICENSE"}
 
 

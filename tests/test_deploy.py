@@ -31,8 +31,8 @@ from fedskew.app_signing import UNVERIFIED_APP, UNVERIFIED_APP_CAUSE, AppIndex, 
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.data.site_folder import load_test_set
-from fedskew.deploy import SuperLink, SuperNode, TlsFiles, connected, connection_toml, node_config_arg, offline_env
-from fedskew.launch import APP_DIR, free_port
+from fedskew.testing.deploy import SuperLink, SuperNode, TlsFiles, connected, connection_toml, node_config_arg, offline_env
+from fedskew.testing.launch import APP_DIR, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from system_tools import require_tool
 
-from fedskew.deploy import FlowerProcess
-from fedskew.launch import free_port
+from fedskew.testing.deploy import FlowerProcess
+from fedskew.testing.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # One thread per process: three sites' ClientApps, the ServerApp and pytest share two cores.

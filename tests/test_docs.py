@@ -40,8 +40,8 @@ from flwr.common.config import parse_config_args
 from system_tools import DEBIAN_PACKAGES, require_tool
 
 from fedskew.config import ConfigError, RunConfig
-from fedskew.deploy import FlowerProcess, offline_env, wait_healthy, wait_node_id
-from fedskew.launch import free_port
+from fedskew.testing.deploy import FlowerProcess, offline_env, wait_healthy, wait_node_id
+from fedskew.testing.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

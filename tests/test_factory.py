@@ -46,7 +46,7 @@ from fedskew.factory.site import (
     planned_modules,
 )
 from fedskew.unlearn import unlearn
-from fedskew.launch import SimulationSuperLink
+from fedskew.testing.launch import SimulationSuperLink
 from fedskew.predict import predict
 from fedskew.training import random_shift
 from fedskew.protocol import decode_modules, encode_modules

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fedskew.launch import SimulationSuperLink, processes_with_env
+from fedskew.testing.launch import SimulationSuperLink, processes_with_env
 
 
 def test_leaving_the_superlink_stops_processes_that_left_its_process_group(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench.compare import RoundClock
-from fedskew.launch import ProcessTreeCPU
+from fedskew.testing.launch import ProcessTreeCPU
 
 BURN = "import time\nstart = time.process_time()\nwhile time.process_time() - start < {seconds}: pass\n"
 

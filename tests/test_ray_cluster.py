@@ -7,8 +7,8 @@ import re
 
 import socket
 
-from fedskew import launch
-from fedskew.launch import RayCluster, SimulationSuperLink, free_port
+from fedskew.testing import launch
+from fedskew.testing.launch import RayCluster, SimulationSuperLink, free_port
 
 # One round on two sites; each node holds one CPU, so each of the two ClientApp actors lives on its own node.
 TINY = {"method": "fednca", "num-server-rounds": 1, "batch-size": 64, "val-fraction": 0.2, "min-site-size": 5}

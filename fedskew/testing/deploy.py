@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from fedskew.launch import APP_DIR, OFFLINE_ENV, RunOutcome, finished_listing, free_port, run_config_toml
+from fedskew.testing.launch import APP_DIR, OFFLINE_ENV, RunOutcome, finished_listing, free_port, run_config_toml
 
 LOOPBACK = "127.0.0.1"
 # What the processes write (the SuperLink's state.db, the ServerApp's results, a site's cache) is for the user

@@ -28,7 +28,7 @@ import httpx
 
 from fedskew.config import _toml_value
 
-APP_DIR = Path(__file__).resolve().parent.parent
+APP_DIR = Path(__file__).resolve().parents[2]
 OFFLINE_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
