@@ -1,8 +1,8 @@
 """FederatedFactory over Flower: one upload round (`train.factory`) and, for `factory-p2p`, one relay
 round (`train.p2p`).
 
-Round 1: every site trains and audits its generators and replies with one ArrayRecord per generator
-(its weights packed into one array, see `packed_weights`) plus a JSON manifest of their metadata; the
+Round 1: every site trains and audits its generators and replies with one ArrayRecord per generator (its
+weights packed into one array, see `fedskew.protocol.packed_weights`) plus a JSON manifest of their metadata; the
 server validates each upload (a bad one is rejected with its reason and the run goes on with the rest),
 writes library/, samples a class-balanced synthetic set, trains the classifier on it and evaluates it
 on the real test split. Every reply is bound to the node that sent it: its site id and label counts
