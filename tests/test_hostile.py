@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from fedskew.cli import main as cli_main
 from fedskew.config import RunConfig
 from fedskew.data.site_folder import SiteFolderError, read_labelled_folder
-from fedskew.factory import unlearn as unlearn_module
+from fedskew import unlearn as unlearn_module
 from fedskew.factory.classifier import build_classifier
 from fedskew.factory.library import GeneratorModule, Library, UploadRejected, library_from_manifest
 from fedskew.factory.site import guide_config, planned_module, planned_modules

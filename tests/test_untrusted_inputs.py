@@ -17,7 +17,7 @@ from PIL import Image
 
 from fedskew.config import RunConfig
 from fedskew.data.site_folder import SiteFolderError, read_labelled_folder
-from fedskew.factory import unlearn as unlearn_module
+from fedskew import unlearn as unlearn_module
 from fedskew.factory.library import (
     GeneratorModule,
     PlannedModule,
