@@ -16,8 +16,8 @@ MISSING_LABEL = "missing-classes=3 with 3 sites leaves 3 present-label slots for
 # actor in terminal colours, the site's own exception first, Flower's re-raise after it (frames shortened).
 RAY_REASON = (
     "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=10031, "
-    "ip=192.0.2.2)\n  File \"/work/fedskew/client_app.py\", line 45, in survey\n    return Message(RecordDict(...))\n"
-    "  File \"/work/fedskew/data/partition.py\", line 124, in multilabel_skew\n    raise ValueError(\n"
+    "ip=192.0.2.2)\n  File \"/srv/site/fedskew/client_app.py\", line 45, in survey\n    return Message(RecordDict(...))\n"
+    "  File \"/srv/site/fedskew/data/partition.py\", line 124, in multilabel_skew\n    raise ValueError(\n"
     f"ValueError: {MISSING_LABEL}, so some label would be missing everywhere\n\nThe above exception was the direct "
     "cause of the following exception:\n\n\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=10031)\n  File \"ray_actor.py\", "
     "line 65, in run\n    raise ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \n"
