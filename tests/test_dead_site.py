@@ -22,6 +22,8 @@ from test_deploy import (  # noqa: F401 - the fixtures are used by name
     with_pythonpath,
 )
 
+pytestmark = pytest.mark.walkthrough  # minutes of real processes: CI runs it after the suite (pyproject addopts)
+
 ROUND_TIMEOUT = 60.0  # the survey (each site's first ClientApp: start-up, torch, its data) takes 20-30 s on two busy cores
 
 

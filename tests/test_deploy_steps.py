@@ -10,10 +10,14 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from system_tools import require_tool
 
 from fedskew.testing.deploy import FlowerProcess
 from fedskew.testing.launch import free_port
+
+pytestmark = pytest.mark.walkthrough  # minutes of real processes: CI runs it after the suite (pyproject addopts)
 
 REPO = Path(__file__).resolve().parent.parent
 # One thread per process: three sites' ClientApps, the ServerApp and pytest share two cores.
