@@ -33,8 +33,9 @@ if os.environ.get("CI"):
 # collection order, and the next one only when it is nearly done. Started last, the modules of real Flower
 # runs (each minutes long) would end the suite on one worker while the other idles; started first, the
 # hundreds of short tests fill in behind them. Longest first, as `pytest --durations` measures them.
-LONGEST_FIRST = ("test_factory.py", "test_user_paths_factory_sites.py", "test_user_paths.py", "test_deploy.py", "test_deploy_steps.py",
-                 "test_e2e_flower.py", "test_ray_cluster.py", "test_factory_search.py")
+LONGEST_FIRST = ("test_user_paths.py", "test_factory.py", "test_user_paths_factory_sites.py", "test_deploy.py",
+                 "test_e2e_flower.py", "test_ray_cluster.py", "test_factory_search.py", "test_control_variates.py",
+                 "test_api_example.py")
 
 
 def pytest_collection_modifyitems(items):
