@@ -42,3 +42,37 @@ def test_the_budget_check_fails_past_the_budget_and_names_the_largest_files():
     assert over_budget(sizes, total) is None
     message = over_budget(sizes, total - 1)
     assert message is not None and max(sizes, key=sizes.get) in message
+
+
+DOCS_WORD_BUDGET = 30_000  # words in all of docs/*.md: a reader can still read them through
+
+
+def docs_word_counts(root: Path = ROOT) -> dict[str, int]:
+    """{page: words} of every docs/*.md, counted as `wc -w` does: whitespace-separated tokens."""
+    pages = sorted((root / "docs").glob("*.md"))
+    return {page.relative_to(root).as_posix(): len(page.read_bytes().split()) for page in pages}
+
+
+def over_word_budget(counts: dict[str, int], budget: int) -> str | None:
+    """None within the budget, else a message naming the total, the budget and the largest pages."""
+    total = sum(counts.values())
+    if total <= budget:
+        return None
+    largest = sorted(counts.items(), key=lambda item: -item[1])[:5]
+    return (f"docs/*.md hold {total:,} words, over the {budget:,}-word budget of tests/test_repo_size.py. Largest:\n"
+            + "\n".join(f"  {words:6,}  {page}" for page, words in largest)
+            + "\nTighten the largest hand-written pages: cut repetition and asides, keep every command and fact.")
+
+
+def test_the_docs_stay_within_their_word_budget():
+    problem = over_word_budget(docs_word_counts(), DOCS_WORD_BUDGET)
+    assert problem is None, problem
+
+
+def test_the_word_budget_check_fails_past_the_budget_and_names_the_largest_pages():
+    counts = docs_word_counts()
+    total = sum(counts.values())
+    assert total > 0 and "docs/privacy.md" in counts
+    assert over_word_budget(counts, total) is None
+    message = over_word_budget(counts, total - 1)
+    assert message is not None and max(counts, key=counts.get) in message
