@@ -65,7 +65,7 @@ from bench.compare import summarise
 from fedskew import client_tasks
 from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train_site
 from fedskew.config import RunConfig
-from fedskew.data import sites as site_data, synthetic
+from fedskew.data import sites as site_data, sources, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
 from fedskew.drift import control_shifts, gradient_moments, scaffold_correction, weighted_control, zeros_like_parameters
 from fedskew.models import backbones, build as model_build
@@ -1386,7 +1386,7 @@ def bench_options(options: dict):
         raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
                          "warm-up; give one of them")
     original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
-    original_loader, original_cnn = synthetic.load_synthetic, backbones.SmallCNN
+    original_loader, original_cnn = sources.load_synthetic, backbones.SmallCNN
     original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
     original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
     original_local_optimisation = client_tasks.local_optimisation
@@ -1419,7 +1419,7 @@ def bench_options(options: dict):
         backbones.SmallCNN = functools.partial(original_cnn, width=options["bench.width"])
     if "bench.train-images" in options:
         sizes = (options["bench.train-images"], synthetic.SPLIT_SIZES[1])
-        synthetic.load_synthetic = functools.partial(original_loader, sizes=sizes)
+        sources.load_synthetic = functools.partial(original_loader, sizes=sizes)  # where load_source looks it up
     clear_dataset_caches()
     if options.get("bench.norm") == "group":
         backbones.conv_bn_relu = group_norm_block
@@ -1431,7 +1431,7 @@ def bench_options(options: dict):
         yield
     finally:
         backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
-        synthetic.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
+        sources.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
         client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
         client_tasks.train_local, fednca_model.ETFClassifier = original_train_local, original_etf_classifier
         client_tasks.local_optimisation = original_local_optimisation
