@@ -19,19 +19,24 @@ def tracked_sizes(root: Path = ROOT) -> dict[str, int]:
     return {path: int(size) for (_, path), size in zip(entries, sizes)}
 
 
-def over_budget(sizes: dict[str, int], budget: int) -> str | None:
-    """None within the budget, else a message naming the total, the budget and the largest files."""
-    total = sum(sizes.values())
+def over_budget(counts: dict[str, int], budget: int, what: str, show, advice: str) -> str | None:
+    """None when the counts' total is within the budget, else a message naming `what` holds how much (`show`
+    formats an amount), the budget, the ten largest entries and `advice`."""
+    total = sum(counts.values())
     if total <= budget:
         return None
-    largest = sorted(sizes.items(), key=lambda item: -item[1])[:10]
-    return (f"the tracked files hold {total / 1e6:.1f} MB, over the {budget / 1e6:.0f} MB budget of "
-            "tests/test_repo_size.py. Largest:\n" + "\n".join(f"  {size / 1e6:6.2f} MB  {path}" for path, size in largest)
-            + "\nUntrack outputs the docs do not link (git rm --cached); their experiment's command regenerates them.")
+    largest = sorted(counts.items(), key=lambda item: -item[1])[:10]
+    return (f"{what} hold {show(total)}, over the {show(budget)} budget of tests/test_repo_size.py. Largest:\n"
+            + "\n".join(f"  {show(amount):>12}  {name}" for name, amount in largest) + f"\n{advice}")
+
+
+def over_size_budget(sizes: dict[str, int], budget: int) -> str | None:
+    return over_budget(sizes, budget, "the tracked files", lambda size: f"{size / 1e6:.2f} MB",
+                       "Untrack outputs the docs do not link (git rm --cached); their experiment's command regenerates them.")
 
 
 def test_the_tracked_tree_stays_within_its_budget():
-    problem = over_budget(tracked_sizes(), BUDGET_BYTES)
+    problem = over_size_budget(tracked_sizes(), BUDGET_BYTES)
     assert problem is None, problem
 
 
@@ -39,8 +44,8 @@ def test_the_budget_check_fails_past_the_budget_and_names_the_largest_files():
     sizes = tracked_sizes()
     total = sum(sizes.values())
     assert total > 0 and "README.md" in sizes
-    assert over_budget(sizes, total) is None
-    message = over_budget(sizes, total - 1)
+    assert over_size_budget(sizes, total) is None
+    message = over_size_budget(sizes, total - 1)
     assert message is not None and max(sizes, key=sizes.get) in message
 
 
@@ -54,14 +59,8 @@ def docs_word_counts(root: Path = ROOT) -> dict[str, int]:
 
 
 def over_word_budget(counts: dict[str, int], budget: int) -> str | None:
-    """None within the budget, else a message naming the total, the budget and the largest pages."""
-    total = sum(counts.values())
-    if total <= budget:
-        return None
-    largest = sorted(counts.items(), key=lambda item: -item[1])[:5]
-    return (f"docs/*.md hold {total:,} words, over the {budget:,}-word budget of tests/test_repo_size.py. Largest:\n"
-            + "\n".join(f"  {words:6,}  {page}" for page, words in largest)
-            + "\nTighten the largest hand-written pages: cut repetition and asides, keep every command and fact.")
+    return over_budget(counts, budget, "docs/*.md", lambda words: f"{words:,} words",
+                       "Tighten the largest hand-written pages: cut repetition and asides, keep every command and fact.")
 
 
 def test_the_docs_stay_within_their_word_budget():
