@@ -287,6 +287,13 @@ def budgeted_for_class(config: GeneratorConfig, n_images: int, total_images: int
     return dataclasses.replace(sized, total_images=max(total, sized.batch_size), t_rampup=t_rampup)
 
 
+def check_conditioning(labels_given: bool, label_dim: int) -> None:
+    """Class ids exactly when the generator is conditional (label_dim > 0); the network and the sampler both ask."""
+    if label_dim == 0 and labels_given:
+        raise ValueError("this generator is unconditional (label_dim 0); pass labels=None")
+    if label_dim and not labels_given:
+        raise ValueError(f"this generator is conditional (label_dim {label_dim}); pass class ids")
+
 
 def check_class_ids(labels: np.ndarray, n: int, label_dim: int) -> None:
     """`labels` must be n int class ids of a conditional generator with `label_dim` classes."""

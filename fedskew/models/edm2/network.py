@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.models.edm2.config import GeneratorConfig, attention_heads
+from fedskew.models.edm2.config import GeneratorConfig, attention_heads, check_conditioning
 
 SIGMA_DATA = 0.5
 LOGVAR_CHANNELS = 128
@@ -332,12 +332,9 @@ class Precond(nn.Module):
 
     def _onehot(self, labels: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:
         label_dim = self.config.label_dim
-        if label_dim == 0:
-            if labels is not None:
-                raise ValueError("this generator is unconditional (label_dim 0); pass labels=None")
-            return None
+        check_conditioning(labels is not None, label_dim)
         if labels is None:
-            raise ValueError(f"this generator is conditional (label_dim {label_dim}); pass class ids")
+            return None
         if labels.shape != (batch,):
             raise ValueError(f"labels must have shape ({batch},), got {tuple(labels.shape)}")
         # A comparison, not F.one_hot, whose range check DP-SGD's vmap cannot run (callers validate the ids).

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedskew.models.edm2.config import check_class_ids, is_int
+from fedskew.models.edm2.config import check_class_ids, check_conditioning, is_int
 from fedskew.models.edm2.network import Precond
 
 SAMPLER_SIGMA_MIN = 0.002
@@ -73,12 +73,9 @@ def heun_sample(net: Precond, noise: torch.Tensor, labels: torch.Tensor | None, 
 
 
 def _sample_labels(labels, n: int, label_dim: int) -> torch.Tensor | None:
-    if label_dim == 0:
-        if labels is not None:
-            raise ValueError("the model is unconditional (label_dim 0); pass labels=None")
-        return None
+    check_conditioning(labels is not None, label_dim)
     if labels is None:
-        raise ValueError(f"the model is conditional (label_dim {label_dim}); pass a class id or n class ids")
+        return None
     ids = np.full(n, labels, dtype=np.int64) if np.isscalar(labels) else np.asarray(labels)
     check_class_ids(ids, n, label_dim)
     return torch.from_numpy(ids.astype(np.int64))
