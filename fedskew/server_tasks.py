@@ -205,12 +205,28 @@ def refuse_sites(recorder: RunRecorder, survey: dict[int, dict], refused: dict[i
     return {node: s for node, s in survey.items() if node not in refused}
 
 
+def shared_site_ids(survey: dict[int, dict]) -> dict[int, str]:
+    """node -> why it is refused, for every node whose survey claims a site id that another node claims too. The
+    site id seeds a site's validation split and training and names it in the results, and the server cannot
+    tell which claimant is the site, so none of them keeps it (a deployed SuperNode without node config
+    site-id claims 0)."""
+    claimants: dict[int, list[int]] = {}
+    for node, declared in sorted(survey.items()):
+        claimants.setdefault(declared["site-id"], []).append(node)
+    return {
+        node: f"site {node} refused: nodes {', '.join(map(str, nodes))} all claim site-id {site_id}; give each site its "
+        f"own with node config site-id (--node-config \"site-id=K num-sites=N\", K in 0..N-1)"
+        for site_id, nodes in claimants.items() if len(nodes) > 1 for node in nodes
+    }  # fmt: skip
+
+
 def survey_federation(
     grid: Grid, node_ids: list[int], cfg: RunConfig, test: ImageDataset | None, recorder: RunRecorder
 ) -> tuple[dict[int, dict], TaskShape | ImageDataset]:
     """Everything before round 1 that the sites' answers decide: (node -> survey of the sites that take part,
-    the run's task). A site whose survey failed or is refused (`survey_sites`),
-    or whose task is not the run's (`agreed_task_shape`), is recorded as dropped in round 0 and the run goes on
+    the run's task). A site whose survey failed or is refused (`survey_sites`), whose task is not the run's
+    (`agreed_task_shape`) or whose site id another node claims too (`shared_site_ids`), is recorded as dropped
+    in round 0 and the run goes on
     without it, as long as min-available-sites remain (`require_sites`); the partition record is written from
     the sites that remain."""
     survey, refused = survey_sites(grid, node_ids, cfg)
@@ -218,7 +234,9 @@ def survey_federation(
     require_sites(cfg, survey, refused)
     task, mismatched = agreed_task_shape(cfg, survey, test)
     survey = refuse_sites(recorder, survey, mismatched)
-    refused = {**refused, **mismatched}
+    shared = shared_site_ids(survey)
+    survey = refuse_sites(recorder, survey, shared)
+    refused = {**refused, **mismatched, **shared}
     require_sites(cfg, survey, refused)
     write_partition(recorder, survey, task.class_names, site_names(cfg))
     return survey, task

@@ -204,3 +204,18 @@ def test_too_few_usable_sites_end_the_run_with_one_line_saying_so(cfg, honest, t
     error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="<class 'fedskew.config.ConfigError'>:<'key x is bad'>")
     with pytest.raises(SurveyFailed, match=r"^every site \(3\) failed the survey: ConfigError: key x is bad$"):
         surveyed(cfg, dict.fromkeys(HONEST_NODES, error), tmp_path)
+
+
+def test_nodes_claiming_one_site_id_are_all_refused_naming_each_other_and_the_key(cfg, honest, tmp_path):
+    """A fourth node sends a well-formed survey under site 1's id (as two deployed SuperNodes left without node
+    config site-id both claim 0): neither node 2 nor node 4 keeps it, the run goes on with sites 0 and 2."""
+    replies = {**honest, 4: {**honest[3], "site-id": honest[2]["site-id"]}}
+    survey, _, partition, dropped = surveyed(cfg.model_copy(update={"min_available_sites": 2}), replies, tmp_path)
+    assert sorted(survey) == [1, 3] and [site["site-id"] for site in partition["sites"]] == [0, 2]
+    assert sorted(d["site"] for d in dropped) == ["2", "4"] and {d["round"] for d in dropped} == {0}
+    for d in dropped:
+        assert d["reason"] == (f"site {d['site']} refused: nodes 2, 4 all claim site-id 1; give each site its own with "
+                               "node config site-id (--node-config \"site-id=K num-sites=N\", K in 0..N-1)")
+    with pytest.raises(SurveyFailed, match=r"^2 site\(s\) left after the survey, fewer than min-available-sites = 3: "
+                       r"site 2 refused: nodes 2, 4 all claim site-id 1"):
+        surveyed(cfg, replies, tmp_path)
