@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedskew.config import PLAIN_SGD_METHODS, RunConfig
+from fedskew.config import RunConfig
 from fedskew.drift import (
     SCAFFOLD_DELTA_PREFIX,
     feddyn_correction,
@@ -27,6 +27,7 @@ from fedskew.data.site_folder import DATA_DIR_KEY, DeployedSite, deployed_site, 
 from fedskew.data.sites import SiteData, load_partition
 from fedskew.models.build import build_model
 from fedskew.fednca_site import checked_etf, etf_echo, fednca_loss, fednca_optimizer
+from fedskew.methods import method_of
 from fedskew.metrics import counted_thresholds, threshold_counts
 from fedskew.protocol import SINGLE_LABEL_VAL_KEYS, UNIT_WEIGHT_KEY, VAL_COUNTS_KEY
 from fedskew.training import (
@@ -93,10 +94,10 @@ def local_optimisation(cfg: RunConfig, model: nn.Module, steps_per_round: int, s
     round stopped, or (fednca.schedule-span = "round") each round's steps alone; its centralised bound
     builds it once (round 1) over its whole run and trains every round with it."""
     if not cfg.fednca_model:
-        momentum = 0.0 if cfg.method in PLAIN_SGD_METHODS else cfg.momentum
+        momentum = 0.0 if method_of(cfg).plain_sgd else cfg.momentum
         return sgd(model, cfg.lr, momentum, cfg.weight_decay), None, augmented(classification_loss, cfg.augment, augment_seed)
     nca = cfg.fednca
-    per_round = nca.schedule_span == "round" and cfg.method != "centralized"
+    per_round = nca.schedule_span == "round" and method_of(cfg).family != "centralized"
     total_steps = steps_per_round if per_round else cfg.num_server_rounds * steps_per_round
     optimizer, scheduler = fednca_optimizer(
         model,
@@ -150,12 +151,13 @@ def drift_correction(
     at the global weights. finish() stores the site's new state and returns what the reply carries
     besides the model; restored says whether an earlier round's state was found. Other methods:
     (None, a finish that returns nothing, False)."""
-    if cfg.method not in PLAIN_SGD_METHODS:
+    drift_state = method_of(cfg).drift_state
+    if drift_state is None:
         return None, dict, False
     if site_state is None:
         raise ValueError(f"method {cfg.method} keeps state at the site between rounds; no state store was given")
     global_params = _parameters(model)
-    if cfg.method == "scaffold":
+    if drift_state == "scaffold":
         if server_control is None:
             raise ValueError("method scaffold: the server's message carries no control variate")
         saved = site_state.get(SCAFFOLD_SITE_STATE)
@@ -181,7 +183,7 @@ def drift_correction(
 
 def corrects_gradients(cfg: RunConfig) -> bool:
     """Whether the run config turns FedNCA-ML's control variates on (fednca.control-variates)."""
-    return cfg.method == "fednca" and cfg.fednca.control_variates
+    return method_of(cfg).fednca_model and cfg.fednca.control_variates
 
 
 def require_control_variates(cfg: RunConfig, request: str) -> None:
@@ -214,7 +216,7 @@ def site_mean_gradient(
 def received_proximal_mu(cfg: RunConfig, train_config: Mapping) -> float:
     """FedProx's mu, which Flower's FedProx sends with every training message; other methods train without
     a proximal term. A fedprox message without it is an error, never a silent mu of 0."""
-    if cfg.method != "fedprox":
+    if not method_of(cfg).proximal:
         return 0.0
     if "proximal-mu" not in train_config:
         raise ValueError(
@@ -272,7 +274,7 @@ def train_site(
     if control_shift is not None:
         require_control_variates(cfg, "the server's training message carries a gradient correction")
         before_step = gradient_shift(model, control_shift, "the server's gradient correction (c - c_i)")
-    keep_optimizer = cfg.method == "fednca" and cfg.fednca.keep_optimizer_state
+    keep_optimizer = method_of(cfg).fednca_model and cfg.fednca.keep_optimizer_state
     if keep_optimizer:
         if site_state is None:
             raise ValueError("fednca.keep-optimizer-state keeps state at the site between rounds; no state store was given")
@@ -297,13 +299,13 @@ def train_site(
         "num-examples": stats["num_examples"],
         UNIT_WEIGHT_KEY: 1,
     }
-    if cfg.method in PLAIN_SGD_METHODS:
+    if method_of(cfg).drift_state is not None:
         # Averaged by the server: the share of sites that found their state from the previous round.
         metrics["site-state-restored"] = float(restored)
     if corrects_gradients(cfg):
         # Averaged by the server: the share of sites whose steps were corrected this round.
         metrics["gradient-corrected"] = float(control_shift is not None)
-    if cfg.method == "fedprox":
+    if method_of(cfg).proximal:
         metrics["proximal-mu"] = proximal_mu  # the mu this site trained with, recorded by the server
     if etf is not None:
         # Lets the server confirm that every site trained against the exact ETF it holds.

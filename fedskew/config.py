@@ -18,16 +18,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from fedskew.methods import method_of, methods_where
+
 GENERATED_DATASETS = ("deformed-digits", "shapes", "shapes-multi")  # drawn by fedskew.data.synthetic
 MULTILABEL_SOURCES = ("medmnist:chestmnist", "shapes-multi")
-MULTILABEL_METHODS: tuple[str, ...] = ("fednca",)
-# Methods that run federated rounds through a strategy (fedskew.strategies.build_strategy).
-FEDERATED_METHODS: tuple[str, ...] = (
-    "fednca", "fedavg", "fedprox", "scaffold", "feddyn", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg"
-)
-# SCAFFOLD's control-variate estimate and FedDyn's penalty assume plain local SGD (no momentum).
-PLAIN_SGD_METHODS: tuple[str, ...] = ("scaffold", "feddyn")
-SINGLE_LABEL_METHODS: tuple[str, ...] = ("factory", "factory-p2p")
+SINGLE_LABEL_METHODS: tuple[str, ...] = methods_where(labels="single")  # the methods that model one class per image
 LABEL_KINDS: tuple[str, ...] = ("single", "multi")
 MEDMNIST_MULTILABEL_TASK = "multi-label, binary-class"  # the `task` of medmnist's INFO entry
 # A generator that does not copy its training images scores ~0 (0.0% on every digit class in the generator
@@ -569,11 +564,12 @@ class RunConfig(_Section):
                 raise ValueError(problems[0])
         if self.centralized_model == "fednca" and self.label_kind == "single":
             raise _field_error("centralized-model", self.centralized_model, "linear or auto for single-label data")
-        if self.factory.guide_steps > 0 and self.method == "factory-p2p":
+        method = method_of(self)
+        if self.factory.guide_steps > 0 and method.p2p:
             raise _field_error("factory.guide-steps", self.factory.guide_steps, "0 for method "
                                f"{self.method!r} (autoguidance guides the server's synthesis of method 'factory'; "
                                "factory-p2p sites draw unguided)")  # fmt: skip
-        if self.val_data and self.method in ("factory", "factory-p2p"):
+        if self.val_data and method.family == "factory":
             raise _field_error("val-data", self.val_data, "empty for method "
                                f"{self.method!r} (its classifier epoch is chosen inside the one round)")  # fmt: skip
         if self.val_data and self.val_data in (self.test_data, FEDERATED_EVALUATION):
@@ -606,9 +602,10 @@ class RunConfig(_Section):
     @property
     def fednca_model(self) -> bool:
         """Whether the run trains FedNCA-ML's model: method fednca, or the centralised bound of it."""
-        if self.method == "centralized" and self.centralized_model != "linear":
+        method = method_of(self)
+        if method.family == "centralized" and self.centralized_model != "linear":
             return self.centralized_model == "fednca" or self.label_kind == "multi"
-        return self.method == "fednca"
+        return method.fednca_model
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunConfig:
@@ -649,12 +646,13 @@ def _check_site_folders_run(cfg: RunConfig) -> None:
 def _check_dp(cfg: RunConfig) -> None:
     if cfg.dp.mode == "off":
         return
-    if cfg.method == "fednca" and cfg.fednca.control_variates:
+    method = method_of(cfg)
+    if method.fednca_model and cfg.fednca.control_variates:
         # The mean gradients go to the server outside Flower's DP wrappers, which clip and noise the model update only.
         raise _field_error("fednca.control-variates", True, f"false with dp.mode = {cfg.dp.mode!r} (each site's mean "
                            "gradient would reach the server unclipped and without noise)")
-    if cfg.method not in ("fedavg", "fedprox", "fednca"):
-        raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (dp.* covers fedavg, fedprox, fednca; factory's generators take factory.dp-noise-multiplier)")
+    if not method.weight_averaging:
+        raise _field_error("dp.mode", cfg.dp.mode, f"off for method {cfg.method!r} (dp.* covers {', '.join(methods_where(weight_averaging=True))}; factory's generators take factory.dp-noise-multiplier)")
     if cfg.dp.mode != "local" and cfg.aggregation != "unweighted":
         # The noise is calibrated to clipping-norm / sites: a weighted average gives one site more influence.
         raise _field_error("aggregation", cfg.aggregation, f"unweighted with dp.mode = {cfg.dp.mode!r}")
@@ -670,12 +668,13 @@ def label_kind_conflicts(cfg: RunConfig, kind: str) -> list[str]:
     partitioned = sites_dir(cfg.dataset) is None
     if cfg.labels != "auto" and cfg.labels != kind:
         problems.append(f"key 'labels' = {cfg.labels!r} is invalid; valid: {kind!r} or 'auto' ({kind}-label data)")
-    if cfg.method in MULTILABEL_METHODS and kind == "single":
+    labels = method_of(cfg).labels
+    if labels == "multi" and kind == "single":
         problems.append(
             f"key 'method' = {cfg.method!r} is invalid; valid: a multi-label dataset (set mosaic-grid to 2-4, or "
             "use multi-label data: a multi-hot npz, '|'-joined labels.csv rows, medmnist:chestmnist)"
         )
-    if cfg.method in SINGLE_LABEL_METHODS and kind == "multi":
+    if labels == "single" and kind == "multi":
         problems.append(
             f"key 'method' = {cfg.method!r} is invalid; valid: single-label data (mosaic-grid = 0 and a single-label "
             "dataset): FederatedFactory's generators and classifier model one class per image"

@@ -17,9 +17,8 @@ from typing import Literal, Protocol
 class StrategySpec:
     """How fedskew.strategies.build_strategy builds a federated method's strategy, whose classes live in that
     (higher) layer. `kind` names the class in its table; `settings` maps constructor keywords to the RunConfig
-    attributes they take (dotted for a section's key, "fednca.control_variates"); `model_inputs` names the
-    constructor keywords built from the global model, the ETF or the number of sites (build_strategy's table
-    of them says how)."""
+    attributes they take; `model_inputs` names the constructor keywords built from the global model, the ETF or
+    the number of sites (fedskew.strategies.MODEL_INPUTS says how)."""
 
     kind: str
     settings: tuple[tuple[str, str], ...] = ()
@@ -35,12 +34,13 @@ class Method:
     family: Literal["federated", "factory", "centralized"]
     strategy: StrategySpec | None = None  # the federated methods' strategy; None for the other families
     p2p: bool = False  # the Product of Experts round of site experts (factory-p2p)
+    autoguided: bool = False  # factory.guide-steps' autoguidance guides the server's synthesis (p2p sites draw unguided)
     proximal: bool = False  # the site adds FedProx's proximal term, with the mu of the server's message
     server_etf: bool = False  # the server broadcasts the simplex ETF every site's model classifies with
     # The state a site keeps between rounds to correct its drift: SCAFFOLD's control variate or FedDyn's
     # gradient; both corrections assume plain local SGD (no momentum).
     drift_state: Literal["scaffold", "feddyn"] | None = None
-    fednca_site_options: bool = False  # fednca.keep-optimizer-state and fednca.control-variates apply
+    fednca_model: bool = False  # sites train FedNCA-ML's model (ETF classifier, LADM) under the fednca.* keys
     weight_averaging: bool = False  # the weight-averaging methods dp.* covers with Flower's DP wrappers
     resumable: bool = False  # resume-from continues a stopped run
     labels: Literal["single", "multi", "any"] = "any"  # the label kind of the data it trains on
@@ -64,7 +64,7 @@ METHODS: dict[str, Method] = {
     method.name: method
     for method in (
         Method("fednca", strategy=StrategySpec("fednca", model_inputs=("etf", "control_layout")), server_etf=True,
-               fednca_site_options=True, labels="multi", **_AVERAGING),
+               fednca_model=True, labels="multi", **_AVERAGING),
         Method("fedavg", strategy=StrategySpec("fedavg"), **_AVERAGING),
         Method("fedprox", strategy=StrategySpec("fedprox", (("proximal_mu", "proximal_mu"),)), proximal=True,
                **_AVERAGING),
@@ -79,7 +79,7 @@ METHODS: dict[str, Method] = {
         Method("fedmedian", "federated", StrategySpec("fedmedian")),
         Method("fedtrimmedavg", "federated", StrategySpec("fedtrimmedavg", (("beta", "trim_fraction"),))),
         Method("centralized", "centralized"),
-        Method("factory", "factory", labels="single"),
+        Method("factory", "factory", autoguided=True, labels="single"),
         Method("factory-p2p", "factory", p2p=True, labels="single"),
     )
 }

@@ -10,6 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid
 
 from fedskew.config import ConfigError, RunConfig
+from fedskew.methods import method_of
 from fedskew.models.model_file import run_model_card
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
@@ -63,11 +64,11 @@ def main(grid: Grid, context: Context) -> None:
         print(f"fedskew: {len(survey)} site(s) take part (in simulation: --federation-config \"num-supernodes=N\"; "
               "Flower's default is 2)", flush=True)  # fmt: skip
         torch.manual_seed(cfg.seed)
-        factory = cfg.method in ("factory", "factory-p2p")
-        recorder.total_rounds = None if factory else cfg.num_server_rounds  # FederatedFactory counts its own rounds
-        if factory:
+        family = method_of(cfg).family
+        recorder.total_rounds = None if family == "factory" else cfg.num_server_rounds  # FederatedFactory counts its own rounds
+        if family == "factory":
             run_factory(grid, cfg, survey, task, test, recorder, device)
-        elif cfg.method == "centralized":
+        elif family == "centralized":
             train_centralized(cfg, task, num_sites, device, recorder, validation)
         else:
             run_rounds(grid, cfg, survey, task, test, validation, recorder, device)

@@ -29,6 +29,7 @@ from fedskew.data.site_folder import load_test_set, pooled_site_data, site_folde
 from fedskew.data.sites import load_partition, load_task_dataset
 from fedskew.data.sources import ImageDataset
 from fedskew.factory.library import _shown
+from fedskew.methods import method_of, methods_where
 from fedskew.metrics import DEFAULT_THRESHOLD, choose_threshold, counted_f1, counted_thresholds
 from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.privacy import check_resumed_privacy, private_strategy
@@ -314,8 +315,8 @@ def resume_point(
     if not cfg.resume_from:
         return 0, None
     previous = Path(cfg.resume_from)
-    if cfg.method not in ("fedavg", "fedprox", "fednca"):
-        raise ValueError(f"resume-from works with fedavg, fedprox and fednca; this run's method is {cfg.method!r}")
+    if not method_of(cfg).resumable:
+        raise ValueError(f"resume-from works with {', '.join(methods_where(resumable=True))}; this run's method is {cfg.method!r}")
     if not (previous / "config.json").is_file():
         raise FileNotFoundError(f"resume-from = {str(previous)!r} holds no config.json; valid: a fedskew run directory")
     earlier = read_json(previous / "config.json")
@@ -462,7 +463,7 @@ def run_rounds(
     """The weight-averaging methods (FedNCA-ML and the baselines): the model (resumed when the run is),
     the method's strategy wrapped for differential privacy when configured, and its rounds. `survey`: the
     sites that take part (refused ones left out); every reply of theirs is held to what they declared in it."""
-    etf = server_etf(cfg, task.num_classes, task.image_shape) if cfg.method == "fednca" else None
+    etf = server_etf(cfg, task.num_classes, task.image_shape) if method_of(cfg).server_etf else None
     recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = build_model(cfg, task.num_classes, task.image_shape, etf=etf)
     done, resumed_state = resume_point(cfg, recorder, model.state_dict())
@@ -488,7 +489,7 @@ def run_rounds(
             round_offset=done, validation=validation, threshold_setting=cfg.threshold,
         ),  # fmt: skip
     )
-    if cfg.method == "fednca" and test is not None and model.use_ladm:
+    if method_of(cfg).fednca_model and test is not None and model.use_ladm:
         # The final global model is in `model`: evaluate_fn loaded every round's weights into it.
         recorder.extra["neural_collapse"] = write_fednca_analysis(model, test, recorder.path, device, cfg.seed)
 

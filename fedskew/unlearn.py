@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from fedskew.config import RunConfig
 from fedskew.factory.classifier import ClassifierRecipe, run_classifier, train_classifier
 from fedskew.factory.library import GUIDES_DIR, SYNTHETIC_FILE, Library, load_synthetic, read_library, save_class_grids, save_synthetic, write_library
+from fedskew.methods import method_of, methods_where
 from fedskew.models.build import weights_mismatch
 from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.models.model_file import load_model_file
@@ -33,7 +34,6 @@ from fedskew.results import RunRecorder, read_json, write_json
 from fedskew.server_tasks import load_server_test_set
 from fedskew.training import evaluate, pick_device
 
-FACTORY_METHODS = ("factory", "factory-p2p")
 COPIED_FILES = ("config.json", "partition.json", "partition.png")
 
 
@@ -121,8 +121,8 @@ def unlearn(run_dir: Path, *, site: int | None = None, class_id: int | None = No
     if not isinstance(config, dict):
         raise ValueError(f"{run_dir / 'config.json'} is not a run config (a JSON object)")
     cfg = RunConfig.from_run_config(config)
-    if cfg.method not in FACTORY_METHODS:
-        raise ValueError(f"{run_dir} is a {cfg.method!r} run; unlearning needs a run of method {' or '.join(FACTORY_METHODS)}")
+    if method_of(cfg).family != "factory":
+        raise ValueError(f"{run_dir} is a {cfg.method!r} run; unlearning needs a run of method {' or '.join(methods_where(family='factory'))}")
     target = output_folder(run_dir, out, f"site{site}" if site is not None else f"class{class_id}")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
@@ -183,7 +183,7 @@ def _write_unlearned(run_dir: Path, cfg: RunConfig, target: Path, site: int | No
         "server": {"before": before, "after": after},
     }  # fmt: skip
 
-    if cfg.method == "factory-p2p":
+    if method_of(cfg).p2p:
         experts = _load_experts(run_dir, cfg, library.num_classes, library.image_shape)
         dropped_sites = sorted({library.module(m).site_id for m in forgotten})
         remaining = {s: e for s, e in experts.items() if s not in dropped_sites}

@@ -100,6 +100,15 @@ def test_a_model_file_whose_feature_side_is_not_a_natural_number_is_refused(tmp_
         read_model_file(forged)
 
 
+@pytest.mark.parametrize("method", ["fedsgd", ["fedavg"], None])
+def test_a_model_file_whose_method_is_none_of_fedskew_s_is_refused(tmp_path, method):
+    _, path = _fednca_file(tmp_path)
+    card, state, etf = read_model_file(path)
+    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, method=method), etf)
+    with pytest.raises(ModelFileError, match=r"forged.safetensors: the header's 'method' = .* is invalid; valid: fednca, fedavg, "):
+        read_model_file(forged)
+
+
 def test_a_product_of_experts_file_predicts_with_every_expert(tmp_path):
     cfg = RunConfig.from_run_config({"method": "factory-p2p", "mosaic-grid": 0, "partition": "iid", "factory.classifier": "small-cnn"})
     torch.manual_seed(1)

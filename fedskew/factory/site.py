@@ -19,6 +19,7 @@ from fedskew.factory.dp_sgd import DpSgd, generator_privacy
 from fedskew.factory.parallel import run_side_by_side, worker_count
 from fedskew.factory.timing import Elapsed, timed
 from fedskew.progress import ProgressReporter
+from fedskew.methods import method_of
 from fedskew.factory.library import (
     GeneratorModule,
     Library,
@@ -309,7 +310,7 @@ def guide_steps(cfg: RunConfig) -> int:
     if factory.guide_steps != AUTO_GUIDE_STEPS:
         return factory.guide_steps
     wider = factory.generator == "gpu-32px" or factory.generator_channels > CPU_PRESET.model_channels
-    if not wider or cfg.method != "factory" or factory.dp_noise_multiplier > 0:
+    if not wider or not method_of(cfg).autoguided or factory.dp_noise_multiplier > 0:
         return 0
     return AUTO_GUIDE_STEPS_WIDE
 

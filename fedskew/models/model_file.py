@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fedskew.config import RunConfig, current_run_config
+from fedskew.methods import METHODS, method_named, method_of
 from fedskew.metrics import DEFAULT_THRESHOLD
 from fedskew.models.backbones import build_classifier
 from fedskew.models.build import build_model
@@ -74,7 +75,7 @@ class ModelCard:
 
 def run_model_card(cfg: RunConfig, class_names: tuple[str, ...], multilabel: bool, image_shape: tuple[int, int, int]) -> ModelCard:
     """The card of the model a run with `cfg` trains on this task."""
-    factory = cfg.method in ("factory", "factory-p2p")
+    factory = method_of(cfg).family == "factory"
     return ModelCard(
         method=cfg.method,
         model=cfg.factory.classifier if factory else cfg.model,
@@ -134,7 +135,9 @@ def read_model_file(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor
     missing = [field.name for field in card_fields if field.default is dataclasses.MISSING and field.name not in fields]
     if missing:
         raise ModelFileError(f"{path}: the header lacks the field(s) {', '.join(missing)}; valid: a file fedskew wrote")
-    names, shape = fields["class_names"], fields["image_shape"]
+    method, names, shape = fields["method"], fields["class_names"], fields["image_shape"]
+    if not (isinstance(method, str) and method in METHODS):
+        raise ModelFileError(f"{path}: the header's 'method' = {str(method)[:100]!r} is invalid; valid: {', '.join(METHODS)}")
     if not isinstance(fields["run_config"], dict):
         raise ModelFileError(f"{path}: the header's 'run_config' is not a JSON object; valid: a file fedskew wrote")
     if not (isinstance(names, list) and names and all(isinstance(name, str) for name in names)):
@@ -163,7 +166,7 @@ def build_from_card(card: ModelCard, etf: torch.Tensor | None) -> nn.Module:
     """The untrained model a card describes (the same constructors the run used)."""
     cfg = RunConfig.from_run_config(current_run_config(card.run_config))
     num_classes = len(card.class_names)
-    if card.method in ("factory", "factory-p2p"):
+    if method_named(card.method).family == "factory":
         shape, side = card.image_shape, card.factory_feature_side
         if card.experts:
             return ExpertEnsemble([build_classifier(card.model, shape, num_classes, side) for _ in range(card.experts)])

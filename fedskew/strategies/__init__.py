@@ -4,13 +4,16 @@ classes): built from plain arguments, started with Flower's `start`, recording o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flwr.app import Array, ArrayRecord
 from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedMedian, FedProx, FedTrimmedAvg, FedYogi
 
 import torch
 from torch import nn
 
-from fedskew.config import FEDERATED_METHODS, RunConfig
+from fedskew.config import RunConfig
+from fedskew.methods import method_of, methods_where
 from fedskew.protocol import EXAMPLES_KEY, UNIT_WEIGHT_KEY
 from fedskew.strategies.drift import FedDyn, Scaffold
 from fedskew.strategies.fednca import FedNCA
@@ -70,7 +73,36 @@ class RecordedFedTrimmedAvg(RecordingMixin, FedTrimmedAvg):
     pass
 
 
-SERVER_OPTIMISERS = {"fedadam": RecordedFedAdam, "fedyogi": RecordedFedYogi, "fedadagrad": RecordedFedAdagrad}
+# The strategy class of each fedskew.methods.StrategySpec kind.
+STRATEGY_CLASSES: dict[str, type[FedAvg]] = {
+    "fedavg": RecordedFedAvg,
+    "fedprox": RecordedFedProx,
+    "fednca": FedNCA,
+    "fedadam": RecordedFedAdam,
+    "fedyogi": RecordedFedYogi,
+    "fedadagrad": RecordedFedAdagrad,
+    "fedmedian": RecordedFedMedian,
+    "fedtrimmedavg": RecordedFedTrimmedAvg,
+    "scaffold": Scaffold,
+    "feddyn": FedDyn,
+}
+
+
+def _trainable_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+
+
+# The constructor arguments a StrategySpec's model_inputs name, from (cfg, num_sites, model, etf).
+MODEL_INPUTS: dict[str, Callable[[RunConfig, int, nn.Module, torch.Tensor | None], object]] = {
+    "etf": lambda cfg, num_sites, model, etf: etf,
+    # FedNCA-ML's control variates cover the trainable parameters; None turns them off.
+    "control_layout": lambda cfg, num_sites, model, etf: _trainable_shapes(model) if cfg.fednca.control_variates else None,
+    # SCAFFOLD's control variates and FedDyn's gradient state: one tensor per trainable parameter.
+    "parameter_shapes": lambda cfg, num_sites, model, etf: _trainable_shapes(model),
+    "num_sites": lambda cfg, num_sites, model, etf: num_sites,
+    # The model's buffers (BatchNorm's statistics), which AveragedBuffers averages instead of stepping.
+    "buffers": lambda cfg, num_sites, model, etf: frozenset(model.state_dict()) - {name for name, _ in model.named_parameters()},
+}
 
 
 def weight_key(cfg: RunConfig) -> str:
@@ -91,24 +123,10 @@ def build_strategy(cfg: RunConfig, num_sites: int, model: nn.Module, etf: torch.
         weighted_by_key=weight_key(cfg),
         timeout=cfg.round_timeout,  # every wait for the sites, availability included
     )
-    if cfg.method == "fedavg":
-        return RecordedFedAvg(**common)
-    if cfg.method == "fedprox":
-        return RecordedFedProx(proximal_mu=cfg.proximal_mu, **common)
-    if cfg.method == "fednca":
-        trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
-        return FedNCA(etf, control_layout=trainable if cfg.fednca.control_variates else None, **common)
-    if cfg.method in SERVER_OPTIMISERS:
-        # Reddi et al.'s adaptive server optimisers; Flower's momentum and tau defaults are theirs.
-        buffers = frozenset(model.state_dict()) - {name for name, _ in model.named_parameters()}
-        return SERVER_OPTIMISERS[cfg.method](eta=cfg.server_lr, eta_l=cfg.lr, buffers=buffers, **common)
-    if cfg.method == "fedmedian":
-        return RecordedFedMedian(**common)
-    if cfg.method == "fedtrimmedavg":
-        return RecordedFedTrimmedAvg(beta=cfg.trim_fraction, **common)
-    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
-    if cfg.method == "scaffold":
-        return Scaffold(shapes, num_sites, **common)
-    if cfg.method == "feddyn":
-        return FedDyn(shapes, num_sites, cfg.feddyn_alpha, **common)
-    raise ValueError(f"method {cfg.method!r} has no federated strategy; valid: {', '.join(FEDERATED_METHODS)}")
+    method = method_of(cfg)
+    if method.strategy is None:
+        raise ValueError(f"method {method.name!r} has no federated strategy; valid: {', '.join(methods_where(family='federated'))}")
+    spec = method.strategy
+    settings = {keyword: getattr(cfg, attribute) for keyword, attribute in spec.settings}
+    inputs = {keyword: MODEL_INPUTS[keyword](cfg, num_sites, model, etf) for keyword in spec.model_inputs}
+    return STRATEGY_CLASSES[spec.kind](**inputs, **settings, **common)
