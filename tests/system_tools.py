@@ -21,6 +21,8 @@ DEBIAN_PACKAGES = {
     "openssl": "openssl",
     "ssh-keygen": "openssh-client",
     "envsubst": "gettext-base",
+    "systemd-analyze": "systemd",
+    "nft": "nftables",
 }
 
 
