@@ -22,6 +22,7 @@ DEBIAN_PACKAGES = {
     "ssh-keygen": "openssh-client",
     "envsubst": "gettext-base",
     "systemd-analyze": "systemd",
+    "systemd-sysusers": "systemd",
     "nft": "nftables",
 }
 

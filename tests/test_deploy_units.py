@@ -87,6 +87,22 @@ def test_systemd_accepts_the_units(tmp_path):
     assert checked.returncode == 0 and not checked.stderr.strip(), checked.stderr
 
 
+def test_systemd_sysusers_creates_the_units_users_who_alone_read_the_tls_key(tmp_path):
+    sysusers_tool = require_tool("systemd-sysusers")
+    (tmp_path / "etc").mkdir()
+    created = subprocess.run([sysusers_tool, f"--root={tmp_path}", str(DEPLOY / "fedskew.sysusers.conf")],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    users = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "passwd").read_text().splitlines()}
+    groups = {line.split(":")[0]: line.split(":")[3] for line in (tmp_path / "etc" / "group").read_text().splitlines()}
+    for unit in ("fedskew-superlink.service", "fedskew-fleet-proxy.service"):
+        settings = unit_settings(DEPLOY / unit)
+        user = users[one(settings, "User")]
+        assert user[-1] == "/usr/sbin/nologin" and int(user[2]) != 0 and one(settings, "Group") in groups
+    assert set(groups["fedskew-certs"].split(",")) == {"fedskew-superlink", "fedskew-proxy"}
+    assert users["fedskew-superlink"][5] == one(unit_settings(DEPLOY / "fedskew-superlink.service"), "WorkingDirectory")
+
+
 def _connects_as(user: str, port: int) -> bool:
     """Whether `user` can open a TCP connection to 127.0.0.1:port (bash's /dev/tcp: no program of theirs needed)."""
     opened = subprocess.run(["runuser", "-u", user, "--", "bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
