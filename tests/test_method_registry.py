@@ -64,7 +64,9 @@ def method_comparisons(source: str, filename: str) -> list[str]:
     for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
-            if any(map(_names_a_method, operands)) and not any(map(_is_the_registry, operands)):
+            # Two expressions that both name a method (a file's method against the one asked for) are a consistency
+            # check; one method against anything else tells methods apart.
+            if any(map(_names_a_method, operands)) and not all(_names_a_method(o) or _is_the_registry(o) for o in operands):
                 found.append(f"{filename}:{node.lineno}: {ast.get_source_segment(source, node)}")
     return found
 
@@ -77,6 +79,7 @@ def method_comparisons(source: str, filename: str) -> list[str]:
     ('x = saved.get("method") == "scaffold"', True),
     ('x = method_of(cfg).family == "factory"', False),
     ('x = method in METHODS', False),
+    ('x = saved.get("method") != cfg.method', False),
     ('for method in ("fednca", "centralized"): pass', False),
 ])  # fmt: skip
 def test_the_scan_finds_a_comparison_of_a_method_name_and_only_that(code, compares):
