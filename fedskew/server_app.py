@@ -5,17 +5,20 @@ from __future__ import annotations
 import sys
 
 import torch
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid import InMemoryGrid
 
 from fedskew.config import ConfigError, RunConfig
+from fedskew.data.image_dataset import ImageDataset
+from fedskew.fidelity import record_fidelity
 from fedskew.methods import method_of
 from fedskew.models.model_file import run_model_card
 from fedskew.report import try_write_report
 from fedskew.results import RunRecorder
 from fedskew.server_tasks import (
     SurveyFailed,
+    TaskShape,
     check_partition,
     load_server_test_set,
     load_server_validation_set,
@@ -26,7 +29,7 @@ from fedskew.server_tasks import (
     train_centralized,
     wait_for_sites,
 )
-from fedskew.strategies.factory import run_factory
+from fedskew.strategies.factory import FederatedFactory
 from fedskew.training import pick_device
 
 app = ServerApp()
@@ -41,6 +44,17 @@ def parse_run_config(context: Context) -> RunConfig:
         # (the process ends with this run).
         sys.tracebacklimit = 0
         raise
+
+
+def federated_factory(cfg: RunConfig, survey: dict[int, dict], task: TaskShape | ImageDataset, test: ImageDataset | None,
+                      device: torch.device) -> FederatedFactory:
+    """The run's FederatedFactory: its run config's settings, the sites of its survey, its test split."""
+    return FederatedFactory(
+        survey, task.num_classes, task.image_shape, task.class_names, cfg.factory, seed=cfg.seed,
+        p2p=method_of(cfg).p2p, feature_side=cfg.feature_side, device=device, timeout=cfg.round_timeout,
+        min_sites=min(cfg.min_available_sites, len(survey)),
+        test_images=None if test is None else test.test_images, test_labels=None if test is None else test.test_labels,
+    )  # fmt: skip
 
 
 @app.main()
@@ -67,7 +81,11 @@ def main(grid: Grid, context: Context) -> None:
         family = method_of(cfg).family
         recorder.total_rounds = None if family == "factory" else cfg.num_server_rounds  # FederatedFactory counts its own rounds
         if family == "factory":
-            run_factory(grid, cfg, survey, task, test, recorder, device)
+            strategy = federated_factory(cfg, survey, task, test, device)
+            strategy.attach(recorder)
+            strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=strategy.num_rounds, timeout=cfg.round_timeout)
+            if cfg.factory.fidelity:
+                record_fidelity(cfg, recorder, device)
         elif family == "centralized":
             train_centralized(cfg, task, num_sites, device, recorder, validation)
         else:

@@ -29,6 +29,7 @@ from fedskew.factory.library import (
     class_balanced_set,
     load_synthetic,
     read_library,
+    releases_outside_the_guarantee,
     sampling_plan,
     save_synthetic,
     split_quota,
@@ -50,7 +51,6 @@ from fedskew.testing.launch import SimulationSuperLink
 from fedskew.predict import predict
 from fedskew.training import random_shift
 from fedskew.protocol import decode_modules, encode_modules
-from fedskew.strategies.factory import releases_outside_the_guarantee
 from fedskew.models.edm2 import CPU_PRESET, build_generator
 from fedskew.models.generator_io import GeneratorFileError, state_dict_checksum
 
@@ -390,7 +390,7 @@ def test_generator_config_keeps_attention_levels_and_scales_the_schedule():
 
 def test_a_plain_factory_run_releases_only_the_survey_and_the_audit_outside_the_generators_dp():
     cfg = RunConfig.from_run_config({"method": "factory", "mosaic-grid": 0, "partition": "classes-per-site"})
-    assert releases_outside_the_guarantee(cfg) == [
+    assert releases_outside_the_guarantee(cfg.factory, p2p=False) == [
         "the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
 
 

@@ -29,7 +29,7 @@ from fedskew.results import RunRecorder
 from fedskew.server_tasks import TaskShape
 from fedskew.factory.site import generator_payload_limit
 from fedskew.protocol import GUIDE_MANIFEST_KEY, GUIDE_PREFIX, decode_modules, encode_modules, packed_weights
-from fedskew.strategies.factory_flow import FactoryFlow
+from fedskew.strategies import FederatedFactory
 from fedskew.strategies.messages import arrays_layout, training_reply_problem
 
 CFG = RunConfig.from_run_config(
@@ -79,9 +79,31 @@ class ScriptedGrid:
         return [Message(self.answer(m.metadata.dst_node_id, m), reply_to=m) for m in messages]
 
 
-def flow(tmp_path, answer) -> FactoryFlow:
-    recorder = RunRecorder(path=tmp_path, multilabel=False, method="factory")
-    return FactoryFlow(ScriptedGrid(answer), recorder, timeout=10)
+def factory_strategy(tmp_path, survey, cfg=CFG, floor=1) -> FederatedFactory:
+    """The server's strategy for the sites of `survey` under `cfg`, recording into tmp_path."""
+    strategy = FederatedFactory(survey, TASK.num_classes, TASK.image_shape, TASK.class_names, cfg.factory, seed=cfg.seed,
+                                feature_side=cfg.feature_side, timeout=10, min_sites=floor)  # fmt: skip
+    strategy.attach(RunRecorder(path=tmp_path, multilabel=False, method="factory"))
+    return strategy
+
+
+def round_replies(strategy: FederatedFactory, server_round: int, answer) -> list[Message]:
+    """One round's exchange as Flower's start makes it: the strategy's configure_train messages, answered by `answer`."""
+    grid = ScriptedGrid(answer)
+    return grid.send_and_receive(strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid))
+
+
+def collect_library(tmp_path, answer, survey, cfg=CFG, floor=1):
+    """The strategy and round 1's (library, rejections) with the sites answering `answer`."""
+    strategy = factory_strategy(tmp_path, survey, cfg, floor)
+    return strategy, strategy.checked_library(round_replies(strategy, 1, answer))
+
+
+def collect_experts(tmp_path, answer, survey=None):
+    """Round 2's (experts, rejections) with the sites answering `answer` to the relay of an empty library."""
+    strategy = factory_strategy(tmp_path, survey_of(SITES) if survey is None else survey)
+    strategy.library = _empty_library()  # as round 1 leaves it
+    return strategy.checked_experts(round_replies(strategy, 2, answer))
 
 
 def collect(tmp_path, honest, hostile_content, sites=SITES):
@@ -90,7 +112,7 @@ def collect(tmp_path, honest, hostile_content, sites=SITES):
     def answer(node, _):
         return hostile_content(honest) if node == 12 else encode_modules(*honest[0])
 
-    return flow(tmp_path, answer).collect_library(survey_of(sites), TASK, CFG)
+    return collect_library(tmp_path, answer, survey_of(sites))[1]
 
 
 def with_module(changes):
@@ -322,9 +344,8 @@ def collect_guided(tmp_path, forge):
     def answer(node, _):
         return forge(None) if node == 12 else guided_upload(0)
 
-    guided_flow = flow(tmp_path, answer)
-    library, rejected = guided_flow.collect_library(survey_of(SITES), TASK, GUIDED)
-    return library, guided_flow.guides, rejected
+    strategy, (library, rejected) = collect_library(tmp_path, answer, survey_of(SITES), GUIDED)
+    return library, strategy.guides, rejected
 
 
 def test_honest_guided_uploads_give_one_guide_per_generator_at_the_guide_config(tmp_path):
@@ -363,7 +384,7 @@ def expert_reply(state=None, metrics=None):
 )
 def test_a_hostile_expert_is_rejected_and_the_others_are_kept(tmp_path, hostile, reason):
     answer = lambda node, _: hostile() if node == 12 else expert_reply()  # noqa: E731
-    experts, (rejection,) = flow(tmp_path, answer).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)
+    experts, (rejection,) = collect_experts(tmp_path, answer)
     assert [e.site_id for e in experts] == [0] and rejection["site-id"] == 1
     assert re.search(reason, rejection["reason"]), rejection["reason"]
 
@@ -374,7 +395,7 @@ def _empty_library():
 
 def test_an_expert_is_named_by_its_nodes_survey_not_by_the_site_id_it_reports(tmp_path):
     answer = lambda node, _: expert_reply(metrics={"train_loss": 0.5, "val_accuracy": 0.5, "site-id": math.nan})  # noqa: E731
-    experts, rejected = flow(tmp_path, answer).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)
+    experts, rejected = collect_experts(tmp_path, answer)
     assert rejected == [] and [(e.node, e.site_id) for e in experts] == [(11, 0), (12, 1)]
 
 

@@ -328,8 +328,8 @@ def test_only_the_surveyed_sites_are_asked():
 
 # --- FederatedFactory: generator uploads, experts, site-validation scores, quotas -------------------------------
 
-from test_hostile import CFG, HOSTILE_SITE, SITES, TASK, _empty_library, expert_reply, honest, survey_of  # noqa: E402, F401 - honest: a fixture
-from test_hostile import flow as factory_flow  # noqa: E402
+from test_hostile import CFG, HOSTILE_SITE, SITES, TASK, expert_reply, honest, survey_of  # noqa: E402, F401 - honest: a fixture
+from test_hostile import ScriptedGrid, collect_experts, collect_library, factory_strategy  # noqa: E402
 
 from fedskew.factory.library import Library, sampling_plan  # noqa: E402
 from fedskew.factory.site_validation import ClassScores  # noqa: E402
@@ -346,8 +346,8 @@ DERIVED_FIELDS = ("site-id", "module-id", "classes", "image-counts", "checksum")
 
 def factory_collect(honest, forged_content):
     """The server's upload round: node 11 (site 0) honest, node 12 (site 1) sends `forged_content`."""
-    return factory_flow(Path(tempfile.mkdtemp()), lambda node, _: forged_content if node == 12 else encode_modules(*honest[0])).collect_library(
-        survey_of(SITES), TASK, CFG)  # fmt: skip
+    return collect_library(Path(tempfile.mkdtemp()), lambda node, _: forged_content if node == 12 else encode_modules(*honest[0]),
+                           survey_of(SITES))[1]  # fmt: skip
 
 
 @PROPERTY
@@ -386,8 +386,7 @@ def test_a_lying_expert_is_refused_and_the_honest_experts_are_unchanged(metrics,
     usable = dtype == torch.float32 and all(
         isinstance(metrics.get(k), (int, float)) and math.isfinite(metrics[k]) for k in ("train_loss", "val_accuracy"))
     lie = RecordDict({"expert": packed_weights(state), "metrics": MetricRecord(metrics)})
-    experts, rejected = factory_flow(Path(tempfile.mkdtemp()), lambda node, _: lie if node == 12 else expert_reply()
-                                     ).collect_experts(survey_of(SITES), _empty_library(), CFG, TASK)  # fmt: skip
+    experts, rejected = collect_experts(Path(tempfile.mkdtemp()), lambda node, _: lie if node == 12 else expert_reply())
     # A usable expert is any site's to send (its metrics are recorded, never trusted to name it); an unusable one is refused.
     assert [(e.node, e.site_id) for e in experts] == [(11, 0), (12, 1)][: 2 if usable else 1]
     assert [(r["node"], r["site-id"]) for r in rejected] == ([] if usable else [("12", 1)])
@@ -413,8 +412,9 @@ def pooled_at_sites(answers: dict[int, ClassScores | RecordDict], survey: dict) 
         reply = answers[node]
         return reply if isinstance(reply, RecordDict) else RecordDict({SCORES_KEY: MetricRecord(reply.to_metrics())})
 
-    flow = factory_flow(Path(tempfile.mkdtemp()), answer)
-    return asking(flow, survey, CLASSES)({"w": torch.zeros(1)}), flow.recorder.dropped
+    strategy = factory_strategy(Path(tempfile.mkdtemp()), {})
+    strategy.grid = ScriptedGrid(answer)  # the round's Grid, as configure_train keeps it
+    return asking(strategy, survey, CLASSES)({"w": torch.zeros(1)}), strategy.recorder.dropped
 
 
 @PROPERTY
@@ -453,21 +453,16 @@ def test_no_survey_claim_takes_more_than_half_of_a_class_another_site_holds(hone
 
 
 def test_fewer_accepted_uploads_than_min_available_sites_end_the_run_naming_the_rejection(honest):
-    from fedskew.strategies.factory_flow import FactoryFlow
-
-    from test_hostile import ScriptedGrid
-
     forged = HOSTILE_SITE.forged_upload(CFG, 1, SITES[12][1], TASK.image_shape, ["image count"])
     answers = {11: encode_modules(*honest[0]), 12: forged}
-    recorder = RunRecorder(path=Path(tempfile.mkdtemp()), multilabel=False, method="factory")
     for floor, ends in ((1, False), (2, True)):
-        flow = FactoryFlow(ScriptedGrid(lambda node, _: answers[node]), recorder, timeout=10, floor=floor)
+        collect = functools.partial(collect_library, Path(tempfile.mkdtemp()), lambda node, _: answers[node], survey_of(SITES), floor=floor)
         if not ends:
-            assert [m.module_id for m in flow.collect_library(survey_of(SITES), TASK, CFG)[0].modules] == ["site0-class0"]
+            assert [m.module_id for m in collect()[1][0].modules] == ["site0-class0"]
             continue
         with pytest.raises(TooFewSites, match=r"round 1: 1 of 2 site\(s\) sent a usable upload, fewer than min-available-sites = 2 "
                                               r".*site 1 \(node 12\): upload rejected: .*declared image-counts"):
-            flow.collect_library(survey_of(SITES), TASK, CFG)
+            collect()
 
 
 def test_the_report_names_a_dropped_site_by_its_site_id_beside_its_node_id(tmp_path):

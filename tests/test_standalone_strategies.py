@@ -88,3 +88,56 @@ def test_a_strategy_never_attached_still_refuses_an_unusable_reply_and_holds_the
                                            r"min-available-sites = 3 .*site 3: round 1 update refused"):
         FedNCA(ETF, min_available_nodes=3, min_train_nodes=3).start(
             grid=ThreeSites(broken=3), initial_arrays=one_weight(0.0), num_rounds=1, timeout=5)
+
+
+# --- FederatedFactory: one custom round through start, its sites answering as in tests/test_hostile.py ---------
+
+from test_hostile import CFG, SITES, TASK, ScriptedGrid, honest, impostor, survey_of  # noqa: E402, F401 - honest: a fixture
+
+from fedskew.factory.classifier import build_classifier  # noqa: E402
+from fedskew.protocol import encode_modules  # noqa: E402
+from fedskew.strategies import FederatedFactory  # noqa: E402
+from fedskew.strategies.recording import TooFewSites  # noqa: E402
+from fedskew.training import evaluate  # noqa: E402
+
+# A few synthetic images from a few sampler steps and one epoch: enough to train a classifier through every step.
+TINY_FACTORY = CFG.factory.model_copy(update={"samples_per_class": 8, "sampler_steps": 2, "classifier_epochs": 1,
+                                              "classifier_val_fraction": 0.25})
+TEST_IMAGES = np.random.default_rng(0).random((6, *TASK.image_shape), dtype=np.float32)
+TEST_LABELS = np.array([0, 1] * 3)
+
+
+def factory_sites(honest):
+    """Node 11 (site 0) uploads its generator; node 12 (site 1) sends site 0's under site 0's ids."""
+    return ScriptedGrid(lambda node, _: encode_modules(*honest[0]) if node == 11 else impostor(honest))
+
+
+def test_federated_factory_never_attached_runs_flowers_start_refuses_the_impostor_and_returns_its_classifier(
+    honest, tmp_path
+):
+    strategy = FederatedFactory(survey_of(SITES), TASK.num_classes, TASK.image_shape, TASK.class_names, TINY_FACTORY,
+                                feature_side=CFG.feature_side, timeout=5, test_images=TEST_IMAGES, test_labels=TEST_LABELS,
+                                output_dir=tmp_path)  # fmt: skip
+    result = strategy.start(grid=factory_sites(honest), initial_arrays=ArrayRecord(), num_rounds=1)
+    assert isinstance(result, Result)
+    (rejection,) = strategy.report["rejected"]
+    assert rejection["node"] == "12" and "claims site-id 0, but its node answered the survey as site 1" in rejection["reason"]
+    assert [m["module-id"] for m in strategy.report["modules"]] == ["site0-class0"]
+    # The classifier trained on 8 synthetic images of the one class a generator was accepted for.
+    assert result.train_metrics_clientapp[1]["synthetic_images"] == 8
+    assert (tmp_path / "library" / "manifest.json").is_file() and (tmp_path / "synthetic.safetensors").is_file()
+    # Result.arrays is that classifier, and the server-side metrics are its own on the test images.
+    model = build_classifier(TINY_FACTORY.classifier, TASK.image_shape, TASK.num_classes, CFG.feature_side)
+    model.load_state_dict(result.arrays.to_torch_state_dict())
+    expected = evaluate(model, TEST_IMAGES, TEST_LABELS, device=torch.device("cpu"))
+    assert dict(result.evaluate_metrics_serverapp[1])["accuracy"] == expected["accuracy"]
+
+
+def test_federated_factory_never_attached_ends_below_its_floor_naming_the_rejection(honest):
+    strategy = FederatedFactory(survey_of(SITES), TASK.num_classes, TASK.image_shape, TASK.class_names, TINY_FACTORY,
+                                feature_side=CFG.feature_side, timeout=5, min_sites=2)  # fmt: skip
+    with pytest.raises(TooFewSites, match=r"round 1: 1 of 2 site\(s\) sent a usable upload, fewer than min-available-sites "
+                                          r"= 2 .*site 1 \(node 12\): upload rejected: the upload claims site-id 0"):
+        strategy.start(grid=factory_sites(honest), initial_arrays=ArrayRecord(), num_rounds=1)
+    with pytest.raises(ValueError, match="FederatedFactory runs 1 round"):
+        strategy.start(grid=factory_sites(honest), initial_arrays=ArrayRecord(), num_rounds=3)

@@ -404,6 +404,35 @@ class Library:
         }
 
 
+def generators_privacy(library: Library, factory: FactorySection, p2p: bool) -> dict:
+    """The run's DP guarantee from its DP-SGD generators: each image is in exactly one generator, so
+    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image. What
+    else the run released from the sites' real images is listed beside it: the guarantee does not cover it."""
+    guarantees = [m.privacy for m in library.modules]
+    return {
+        "mode": "dp-sgd-generators",
+        "epsilon": max(g["epsilon"] for g in guarantees),
+        "delta": max(g["delta"] for g in guarantees),
+        "generators": len(guarantees),
+        "accountant": guarantees[0]["accountant"],
+        "unit": guarantees[0]["unit"],
+        "not_covered": releases_outside_the_guarantee(factory, p2p),
+    }
+
+
+def releases_outside_the_guarantee(factory: FactorySection, p2p: bool) -> list[str]:
+    """What a run with these settings (`p2p`: the Product of Experts round follows) sends from the sites' real
+    images besides the DP generators."""
+    released = ["the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
+    if p2p:
+        released.append("each site's expert classifier, trained on its real images without DP")
+    if factory.site_validation:
+        released.append("each site's per-class sums of the server's classifier on its real validation images")
+    if factory.match_intensity:
+        released.append("each site's pixel histograms per class")
+    return released
+
+
 def write_library(library: Library, directory: Path) -> Path:
     """`directory/<module-id>.safetensors|.json` per module and `directory/manifest.json`."""
     directory.mkdir(parents=True, exist_ok=False)

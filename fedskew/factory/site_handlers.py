@@ -1,16 +1,18 @@
 """What a FederatedFactory site answers to the server's messages: the ClientApp's handlers call these with the
-message content and get the reply content back, with no Flower types beyond the records (fedskew.protocol)."""
+message content and get the reply content back, with no Flower types beyond the records (fedskew.protocol).
+Their settings are fedskew's RunConfig or, in a ClientApp of one's own, the FactoryRun built from the values
+the server's FederatedFactory strategy was given (docs/api.md)."""
 
 from __future__ import annotations
 
 import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData
 from fedskew.factory.classifier import check_expert_weights, run_classifier
 from fedskew.factory.intensity import class_histograms
 from fedskew.factory.library import library_from_manifest
+from fedskew.factory.run import FactorySettings
 from fedskew.factory.site import (
     generator_payload_limit,
     guide_steps,
@@ -38,7 +40,7 @@ from fedskew.protocol import (
 )
 
 
-def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordDict:
+def site_upload(cfg: FactorySettings, site: SiteData, device: torch.device) -> RecordDict:
     """Round 1 at a site: train and audit its generators and upload those within factory.max-memorization
     (the manifest names the withheld ones and why); raises an UploadRefusal when none is left or a
     generator would exceed factory.max-epsilon."""
@@ -61,7 +63,7 @@ def site_upload(cfg: RunConfig, site: SiteData, device: torch.device) -> RecordD
     return content
 
 
-def site_expert(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
+def site_expert(cfg: FactorySettings, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
     """Round 2 at a site: check the relayed library like the server checked the uploads (every module's
     config must be the one the run config makes), train the expert."""
     image_shape = tuple(site.train_images.shape[1:])
@@ -79,7 +81,7 @@ def site_expert(cfg: RunConfig, site: SiteData, content: RecordDict, device: tor
     return RecordDict({EXPERT_KEY: packed_weights(state), METRICS_KEY: MetricRecord({**metrics, "site-id": site.site_id})})
 
 
-def site_scores(cfg: RunConfig, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
+def site_scores(cfg: FactorySettings, site: SiteData, content: RecordDict, device: torch.device) -> RecordDict:
     """At a site: the class-level sums of the server's classifier on the site's validation split."""
     if CLASSIFIER_KEY not in content.array_records:
         raise UploadRejected("the validation query carries no classifier weights")

@@ -1,6 +1,6 @@
 """Strategies by run-config `method`: Flower's own where they suffice, subclassed only for what we add.
-Each is also a plain Flower strategy for a ServerApp of one's own (FedNCA, Scaffold, FedDyn, the Recorded*
-classes): built from plain arguments, started with Flower's `start`, recording only when attached (docs/api.md)."""
+Each is also a plain Flower strategy for a ServerApp of one's own (FedNCA, Scaffold, FedDyn, FederatedFactory, the
+Recorded* classes): built from plain arguments, started with Flower's `start`, recording only when attached (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fedskew.config import RunConfig
 from fedskew.methods import method_of, methods_where
 from fedskew.protocol import EXAMPLES_KEY, UNIT_WEIGHT_KEY
 from fedskew.strategies.drift import FedDyn, Scaffold
+from fedskew.strategies.factory import FederatedFactory  # noqa: F401 - the strategy a ServerApp of one's own imports (docs/api.md)
 from fedskew.strategies.fednca import FedNCA
 from fedskew.strategies.recording import RecordingMixin
 

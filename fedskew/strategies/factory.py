@@ -1,193 +1,246 @@
-"""FederatedFactory over Flower: one upload round (`train.factory`) and, for `factory-p2p`, one relay
-round (`train.p2p`).
+"""FederatedFactory as a Flower Strategy: one upload round (`train.factory`) and, with `p2p`, one relay round
+(`train.p2p`), both through Flower's `start`.
 
 Round 1: every site trains and audits its generators and replies with one ArrayRecord per generator (its
 weights packed into one array, see `fedskew.protocol.packed_weights`) plus a JSON manifest of their metadata; the
 server validates each upload (a bad one is rejected with its reason and the run goes on with the rest),
-writes library/, samples a class-balanced synthetic set, trains the classifier on it and evaluates it
-on the real test split. Every reply is bound to the node that sent it: its site id and label counts
+samples a class-balanced synthetic set from the library, trains the classifier on it and evaluates it on the
+real test images it was given. Every reply is bound to the node that sent it: its site id and label counts
 come from that node's own survey reply (a site id claimed by two nodes is refused), and the modules it
-may upload, their classes, image counts and configs follow from those and the run config, so a site
+may upload, their classes, image counts and configs follow from those and the settings, so a site
 contributes only weights, checksums and its memorisation audit. Sizes are bounded before anything is
 decoded: the manifest by characters and nesting, each payload by the run's model size.
 Round 2 (P2P): Flower has no site-to-site channel, so the SuperLink relays the library to every site;
 each site trains its own expert on real + synthetic images and returns it; the server evaluates the
 Product of Experts and each expert alone.
 
-Bytes are counted as Flower serialises each message (RecordingMixin), per site and direction.
+Bytes are counted as Flower serialises each message (RecordingMixin), per site and direction, when a
+RunRecorder is attached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from logging import INFO
 from pathlib import Path
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid
-from safetensors.torch import save_file
+from flwr.serverapp.strategy import Result, Strategy
 
-from fedskew.config import RunConfig
-from fedskew.data.sources import ImageDataset
-from fedskew.factory.classifier import ClassifierRecipe, train_classifier
-from fedskew.factory.intensity import match_intensity
-from fedskew.factory.library import GUIDES_DIR, SYNTHETIC_FILE, Library, class_balanced_set, save_class_grids, save_synthetic, write_library
-from fedskew.factory.timing import Elapsed, timed
-from fedskew.fidelity import record_fidelity
+from fedskew.config import FactorySection, RunConfig
+from fedskew.factory.library import GUIDES_DIR, Library, generators_privacy, write_library
+from fedskew.factory.run import FactoryRun
+from fedskew.factory.synthesis import EXPERTS_DIR, Expert, save_experts, train_library_classifier
 from fedskew.models.ensemble import ExpertEnsemble
-from fedskew.results import RunRecorder, write_json
-from fedskew.strategies.factory_flow import Expert, FactoryFlow, TaskLike
+from fedskew.results import RunRecorder
+from fedskew.strategies.factory_flow import FactoryFlow, FactoryTask
 from fedskew.strategies.factory_validation import validate_at_sites
 from fedskew.training import evaluate
 
 LIBRARY_DIR = "library"
-EXPERTS_DIR = "experts"
-SAMPLES_DIR = "samples"
 POE_MODEL = "model-poe.safetensors"
 
 
-def test_metrics(model: torch.nn.Module, test: ImageDataset | None, device: torch.device) -> dict:
-    """Metrics on the server's real test split ({} when the server holds none)."""
-    return evaluate(model, test.test_images, test.test_labels, device=device) if test is not None else {}
+def metric_record(values: Mapping) -> MetricRecord:
+    """The numbers among `values` as Flower's MetricRecord holds them (a flag as 0 or 1, a list of numbers as
+    it is); text and nested reports stay in the strategy's `report`."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    record = {}
+    for key, value in values.items():
+        if isinstance(value, (bool, int, float)):
+            record[key] = int(value) if isinstance(value, bool) else value
+        elif isinstance(value, list) and value and all(number(v) for v in value):
+            record[key] = [float(v) for v in value] if any(isinstance(v, float) for v in value) else value
+    return MetricRecord(record)
 
 
-def train_library_classifier(
-    cfg: RunConfig, library: Library, device: torch.device, run_dir: Path, checkpoints: dict | None = None,
-    real_histograms: np.ndarray | None = None, guides: Library | None = None,
-) -> tuple[torch.nn.Module, dict]:
-    """Synthesise the class-balanced set (autoguided by `guides` when given; its pixels matched to
-    `real_histograms` when given; stored, with its plan), write the sample grids, train the classifier
-    (`checkpoints`: see train_classifier)."""
-    synthesis, training = Elapsed(), Elapsed()
-    with timed(synthesis):
-        synthetic = class_balanced_set(library, cfg.factory, cfg.seed, device, guides, cfg.factory.guidance_weight)
-        if real_histograms is not None:
-            synthetic = replace(synthetic, images=match_intensity(synthetic.images, synthetic.labels, real_histograms))
-    save_synthetic(synthetic, run_dir / SYNTHETIC_FILE)
-    save_class_grids(synthetic, run_dir / SAMPLES_DIR)
-    with timed(training):
-        model, stats = train_classifier(
-            synthetic.images, synthetic.labels, library.num_classes, ClassifierRecipe.from_config(cfg),
-            val_fraction=cfg.factory.classifier_val_fraction, seed=cfg.seed, device=device, checkpoints=checkpoints,
+class FederatedFactory(FactoryFlow, Strategy):
+    """FederatedFactory (Moleri et al.; docs/factory.md) for Flower's `start`:
+    `strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=strategy.num_rounds)`. It returns
+    Flower's Result: `arrays` is the server's classifier after round 1 and, with `p2p`, the Product of
+    Experts' state after round 2 (the run's final model, as fedskew's app reports it); `train_metrics_clientapp`
+    holds the classifier's training statistics (round 1) and the experts' mean training loss and validation
+    accuracy (round 2); `evaluate_metrics_serverapp` the test metrics of each round's model when `test_images`
+    are given. Everything else the rounds found (uploads rejected or withheld, the sites' metrics, site
+    validation, the P2P experts) is in `report` and `p2p_report`; sites that dropped out in `dropped`."""
+
+    def __init__(
+        self,
+        survey: Mapping[int, Mapping],
+        num_classes: int,
+        image_shape: tuple[int, int, int],
+        class_names: Iterable[str] | None = None,
+        factory: FactorySection | None = None,
+        *,
+        seed: int = 0,
+        p2p: bool = False,
+        feature_side: int = RunConfig.model_fields["feature_side"].default,
+        device: torch.device | str = "cpu",
+        timeout: float = 3600.0,
+        min_sites: int = 1,
+        test_images: np.ndarray | None = None,
+        test_labels: np.ndarray | None = None,
+        output_dir: Path | None = None,
+    ):
+        """`survey`: node id -> that node's survey reply, from which each site's identity comes: "site-id" (an int)
+        and "label-counts" (its training images per class), and "val-size" (its validation images) when
+        factory.site-validation is on. `factory`: FederatedFactory's settings (run-config keys factory.*; None:
+        their defaults); `seed`, `p2p` (a Product of Experts round follows), `feature_side` (the classifier's,
+        run-config key feature-side): the sites must be given the same values (fedskew.factory.run.FactoryRun).
+        `timeout` bounds every wait for the sites; fewer than `min_sites` sites with an accepted reply end the run
+        with TooFewSites. `test_images`/`test_labels`: the real test split the models are evaluated on (None: not
+        evaluated). `output_dir`: where the library, the synthetic set and the experts are written (None: nowhere;
+        an attached RunRecorder's run folder takes its place)."""
+        run = FactoryRun(factory=factory or FactorySection(), seed=seed, p2p=p2p, feature_side=feature_side)
+        names = tuple(class_names) if class_names is not None else tuple(str(c) for c in range(num_classes))
+        super().__init__(run, dict(survey), FactoryTask(num_classes, tuple(image_shape), names), timeout, floor=min_sites)
+        if (test_images is None) != (test_labels is None):
+            raise ValueError("FederatedFactory: pass test_images and test_labels together (or neither)")
+        self.num_rounds = 2 if p2p else 1
+        self.device = torch.device(device)
+        self.test_images, self.test_labels, self.output_dir = test_images, test_labels, output_dir
+        self.library: Library | None = None
+        self.p2p_report: dict = {}
+        self.test_metrics: dict[int, dict] = {}  # round -> the test metrics of its model
+        self.privacy: dict | None = None  # the DP guarantee of DP-SGD generators (generators_privacy)
+
+    @property
+    def folder(self) -> Path | None:
+        return self.recorder.path if self.recorder is not None else self.output_dir
+
+    def attach(self, recorder: RunRecorder, **options) -> None:
+        """Record into `recorder`: its run folder receives the files, summary.json the report."""
+        super().attach(recorder, **options)
+        recorder.selected_within = (
+            "factory.p2p-val-fraction: the Product of Experts, each expert's epoch chosen on a held-out share of its "
+            "site's real + synthetic images"
+            if self.run.p2p
+            else "factory.classifier-val-fraction: the classifier's epoch is chosen on held-out synthetic images"
+        )
+        recorder.extra["factory"] = self.report
+
+    def start(
+        self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
+        timeout: float | None = None, train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:  # fmt: skip
+        """Flower's `start`, with FederatedFactory's defaults: no initial model (the classifier is trained from the
+        library), its own number of rounds (refused otherwise), its own timeout, and the test metrics it measured
+        as the server-side evaluation unless an `evaluate_fn` of one's own is given."""
+        num_rounds = self.num_rounds if num_rounds is None else num_rounds
+        if num_rounds != self.num_rounds:
+            raise ValueError(f"FederatedFactory runs {self.num_rounds} round(s) (p2p={self.run.p2p}); num_rounds = "
+                             f"{num_rounds} is invalid")  # fmt: skip
+        return super().start(
+            grid, ArrayRecord() if initial_arrays is None else initial_arrays, num_rounds,
+            self.timeout if timeout is None else timeout, train_config, evaluate_config, evaluate_fn or self.tested,
         )  # fmt: skip
-    stats.update(
-        **synthesis.as_metrics("synthesis"),
-        **training.as_metrics("classifier"),
-        synthetic_images=len(synthetic.labels),
-        synthetic_per_class=np.bincount(synthetic.labels, minlength=library.num_classes).tolist(),
-        intensity_matched=real_histograms is not None,
-    )
-    return model, stats
 
+    def summary(self) -> None:
+        log(INFO, "\t├── FederatedFactory: %d site(s) identified, %d refused, p2p %s, seed %d", len(self.identities),
+            len(self.refused), self.run.p2p, self.run.seed)  # fmt: skip
 
-def save_experts(experts: list[Expert], cfg: RunConfig, task: TaskLike, directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=False)
-    entries = []
-    for expert in experts:
-        name = f"site-{expert.site_id}.safetensors"
-        save_file({k: v.detach().cpu().contiguous() for k, v in expert.model.state_dict().items()}, str(directory / name))
-        entries.append({"site-id": expert.site_id, "node": str(expert.node), "file": name})
-    write_json(
-        directory / "manifest.json",
-        {"classifier": cfg.factory.classifier, "num-classes": task.num_classes, "image-shape": list(task.image_shape),
-         "experts": entries},
-    )  # fmt: skip
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
+        self.grid = grid
+        if server_round == 1:
+            return self._count_out(self.library_messages())
+        return self._count_out(self.expert_messages(self.library))
 
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
+        if server_round == 1:
+            return self.train_on_library(*self.checked_library(replies))
+        return self.combine_experts(*self.checked_experts(replies))
 
-def generators_privacy(library: Library, cfg: RunConfig) -> dict:
-    """The run's DP guarantee from its DP-SGD generators: each image is in exactly one generator, so
-    every upload, and the library, is (largest epsilon, largest delta)-DP for one training image. What
-    else the run released from the sites' real images is listed beside it: the guarantee does not cover it."""
-    guarantees = [m.privacy for m in library.modules]
-    return {
-        "mode": "dp-sgd-generators",
-        "epsilon": max(g["epsilon"] for g in guarantees),
-        "delta": max(g["delta"] for g in guarantees),
-        "generators": len(guarantees),
-        "accountant": guarantees[0]["accountant"],
-        "unit": guarantees[0]["unit"],
-        "not_covered": releases_outside_the_guarantee(cfg),
-    }
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> list[Message]:
+        return []  # the sites' real images are seen only through site validation (factory.site-validation)
 
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
 
-def releases_outside_the_guarantee(cfg: RunConfig) -> list[str]:
-    """What a run of `cfg` sends from the sites' real images besides the DP generators."""
-    released = ["the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
-    if cfg.method == "factory-p2p":
-        released.append("each site's expert classifier, trained on its real images without DP")
-    if cfg.factory.site_validation:
-        released.append("each site's per-class sums of the server's classifier on its real validation images")
-    if cfg.factory.match_intensity:
-        released.append("each site's pixel histograms per class")
-    return released
+    def tested(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Flower's evaluate_fn: the test metrics the strategy measured for the round's model (`arrays`)."""
+        metrics = self.test_metrics.get(server_round)
+        return metric_record(metrics) if metrics else None
 
+    def _tested(self, server_round: int, model: torch.nn.Module) -> dict:
+        """The round's model on the real test split ({} when none was given)."""
+        if self.test_images is None:
+            metrics = {}
+        else:
+            metrics = evaluate(model, self.test_images, self.test_labels, device=self.device)
+        self.test_metrics[server_round] = metrics
+        return metrics
 
-def run_factory(
-    grid: Grid,
-    cfg: RunConfig,
-    survey: dict[int, dict],
-    task: TaskLike,
-    test: ImageDataset | None,
-    recorder: RunRecorder,
-    device: torch.device,
-) -> None:
-    """method factory (round 1) or factory-p2p (rounds 1 and 2); results go to recorder.path."""
-    flow = FactoryFlow(grid, recorder, cfg.round_timeout, floor=min(cfg.min_available_sites, len(survey)))
-    recorder.selected_within = (
-        "factory.classifier-val-fraction: the classifier's epoch is chosen on held-out synthetic images"
-        if cfg.method == "factory"
-        else "factory.p2p-val-fraction: the Product of Experts, each expert's epoch chosen on a held-out share of its "
-        "site's real + synthetic images"
-    )
-    library, rejected = flow.collect_library(survey, task, cfg)
-    write_library(library, recorder.path / LIBRARY_DIR)
-    if flow.guides is not None:
-        write_library(flow.guides, recorder.path / LIBRARY_DIR / GUIDES_DIR)
-    missing = library.missing_classes()
-    report = recorder.extra.setdefault("factory", {})
-    report.update(
-        modules=[{k: v for k, v in m.metadata().items() if k != "config"} for m in library.modules],
-        rejected=rejected,
-        missing_classes=missing,
-        missing_class_names=[task.class_names[c] for c in missing],
-    )
-    if any(m.privacy is not None for m in library.modules):
-        recorder.extra["privacy"] = generators_privacy(library, cfg)
-    if missing:
-        print(f"classes without a generator (not learnable this run): {[task.class_names[c] for c in missing]}", flush=True)
-    if not library.modules:
-        raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
+    def train_on_library(self, library: Library, rejected: list[dict]) -> tuple[ArrayRecord, MetricRecord]:
+        """Round 1 after the checks: the library stored, the classifier trained on its class-balanced synthetic set
+        (and chosen and calibrated at the sites with factory.site-validation), evaluated, recorded."""
+        task, factory, folder = self.task, self.run.factory, self.folder
+        self.library = library
+        if folder is not None:
+            write_library(library, folder / LIBRARY_DIR)
+            if self.guides is not None:
+                write_library(self.guides, folder / LIBRARY_DIR / GUIDES_DIR)
+        missing = library.missing_classes()
+        self.report.update(
+            modules=[{k: v for k, v in m.metadata().items() if k != "config"} for m in library.modules],
+            rejected=rejected,
+            missing_classes=missing,
+            missing_class_names=[task.class_names[c] for c in missing],
+        )
+        if any(m.privacy is not None for m in library.modules):
+            self.privacy = generators_privacy(library, factory, self.run.p2p)
+            if self.recorder is not None:
+                self.recorder.extra["privacy"] = self.privacy
+        if missing:
+            print(f"classes without a generator (not learnable this run): {[task.class_names[c] for c in missing]}", flush=True)
+        if not library.modules:
+            raise RuntimeError("no generator upload passed validation; see 'rejected' and 'dropped' in summary.json")
 
-    checkpoints = {} if cfg.factory.site_validation else None
-    model, stats = train_library_classifier(cfg, library, device, recorder.path, checkpoints, flow.real_histograms, flow.guides)
-    if checkpoints is not None:
-        model, report["site_validation"] = validate_at_sites(flow, survey, model, checkpoints, cfg, task)
-    if cfg.factory.fidelity:
-        record_fidelity(cfg, recorder, device)
-    server_metrics = test_metrics(model, test, device)
-    report["classifier"] = {k: v for k, v in stats.items()}
-    report["server_test"] = server_metrics
-    recorder.record_round(1, server_metrics, train=stats, val={"val_accuracy": stats["val_accuracy"]})
-    recorder.save_checkpoint(model.state_dict())
-    if cfg.method != "factory-p2p":
-        return
+        checkpoints = {} if factory.site_validation else None
+        model, stats = train_library_classifier(self.run, library, self.device, folder, checkpoints, self.real_histograms, self.guides)
+        if checkpoints is not None:
+            model, self.report["site_validation"] = validate_at_sites(self, model, checkpoints, factory.calibration_rounds)
+        server_metrics = self._tested(1, model)
+        self.report["classifier"] = dict(stats)
+        self.report["server_test"] = server_metrics
+        if self.recorder is not None:
+            self.recorder.record_round(1, server_metrics, train=stats, val={"val_accuracy": stats["val_accuracy"]})
+            self.recorder.save_checkpoint(model.state_dict())
+        return ArrayRecord(model.state_dict()), metric_record(stats)
 
-    experts, expert_rejected = flow.collect_experts(survey, library, cfg, task)
-    if not experts:
-        raise RuntimeError("no site returned a valid expert in the P2P round; see 'dropped' in summary.json")
-    save_experts(experts, cfg, task, recorder.path / EXPERTS_DIR)
-    poe = test_metrics(ExpertEnsemble([e.model for e in experts]), test, device)
-    recorder.extra["p2p"] = {
-        "poe_test": poe,
-        "rejected": expert_rejected,
-        "experts": [
-            {"site-id": e.site_id, "node": str(e.node), "train": e.metrics, "test": test_metrics(e.model, test, device)}
-            for e in experts
-        ],
-    }
-    mean = {k: float(np.mean([e.metrics[k] for e in experts])) for k in ("train_loss", "val_accuracy")}
-    recorder.record_round(2, poe, train=mean)
-    # The Product of Experts as one self-contained model file (model.safetensors stays the server's classifier).
-    if recorder.model_card is not None:
-        recorder.model_card = replace(recorder.model_card, experts=len(experts))
-    recorder.save_checkpoint(ExpertEnsemble([e.model for e in experts]).state_dict(), name=POE_MODEL)
+    def combine_experts(self, experts: list[Expert], rejected: list[dict]) -> tuple[ArrayRecord, MetricRecord]:
+        """Round 2 after the checks: the experts stored and combined as a Product of Experts, evaluated, recorded."""
+        if not experts:
+            raise RuntimeError("no site returned a valid expert in the P2P round; see 'dropped' in summary.json")
+        task = self.task
+        if self.folder is not None:
+            save_experts(experts, self.run.factory.classifier, task.num_classes, task.image_shape, self.folder / EXPERTS_DIR)
+        ensemble = ExpertEnsemble([e.model for e in experts])
+        poe = self._tested(2, ensemble)
+        self.p2p_report = {
+            "poe_test": poe,
+            "rejected": rejected,
+            "experts": [
+                {"site-id": e.site_id, "node": str(e.node), "train": e.metrics,
+                 "test": {} if self.test_images is None else evaluate(e.model, self.test_images, self.test_labels, device=self.device)}
+                for e in experts
+            ],
+        }  # fmt: skip
+        mean = {k: float(np.mean([e.metrics[k] for e in experts])) for k in ("train_loss", "val_accuracy")}
+        if self.recorder is not None:
+            self.recorder.extra["p2p"] = self.p2p_report
+            self.recorder.record_round(2, poe, train=mean)
+            # The Product of Experts as one self-contained model file (model.safetensors stays the server's classifier).
+            if self.recorder.model_card is not None:
+                self.recorder.model_card = replace(self.recorder.model_card, experts=len(experts))
+            self.recorder.save_checkpoint(ensemble.state_dict(), name=POE_MODEL)
+        return ArrayRecord(ensemble.state_dict()), MetricRecord(mean)
+

@@ -1,19 +1,17 @@
 """The server's side of FederatedFactory's exchanges: who each site is (from its survey), one custom message
-per site, and every reply checked before it is used (fedskew.strategies.factory runs the rounds)."""
+per site, and every reply checked before it is used (the strategy, fedskew.strategies.factory, runs the rounds)."""
 
 from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
-import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedskew.config import RunConfig
 from fedskew.factory.classifier import check_expert_weights, run_classifier
 from fedskew.factory.intensity import check_histograms
 from fedskew.factory.library import (
@@ -25,7 +23,9 @@ from fedskew.factory.library import (
     validate_upload,
     withheld_modules,
 )
+from fedskew.factory.run import FactorySettings
 from fedskew.factory.site import generator_payload_limit, guide_config, planned_modules
+from fedskew.factory.synthesis import Expert
 from fedskew.protocol import (
     EXPERT_KEY,
     FACTORY_MESSAGE,
@@ -40,11 +40,13 @@ from fedskew.protocol import (
     packed_size_limit,
     unpacked_weights,
 )
-from fedskew.results import RunRecorder
 from fedskew.strategies.recording import RecordingMixin
 
 
-class TaskLike(Protocol):
+@dataclass(frozen=True)
+class FactoryTask:
+    """What the server knows of the task before any upload: the classes (and their names) and the image shape."""
+
     num_classes: int
     image_shape: tuple[int, int, int]
     class_names: tuple[str, ...]
@@ -107,34 +109,34 @@ def site_identities(survey: dict[int, dict], num_classes: int) -> tuple[dict[int
     return identities, refused
 
 
-@dataclass
-class Expert:
-    node: int
-    site_id: int
-    model: torch.nn.Module
-    metrics: dict
-
-
 # Metrics of an expert the server reads (the P2P round's mean training loss and validation accuracy).
 EXPERT_METRICS = ("train_loss", "val_accuracy")
 
 
 class FactoryFlow(RecordingMixin):
-    """Sends one custom message per site and collects the replies, counting bytes and dropouts. A reply
-    the server cannot accept is rejected with its reason and the run goes on with the others."""
+    """FederatedFactory's messages and reply checks (the strategy, fedskew.strategies.factory, sends and
+    aggregates through them): one custom message per site identified by its survey; a reply the server cannot
+    accept is rejected with its reason and the run goes on with the others. Bytes and dropouts are recorded
+    when a RunRecorder is attached."""
 
-    def __init__(self, grid: Grid, recorder: RunRecorder, timeout: float, floor: int = 1):
-        """`timeout` bounds each exchange (run-config round-timeout); fewer than `floor` sites with an accepted
-        reply (min-available-sites) end the run."""
-        self.grid, self.timeout, self.min_available_nodes = grid, timeout, floor
+    def __init__(
+        self, run: FactorySettings, survey: dict[int, dict], task: FactoryTask, timeout: float, floor: int = 1,
+    ):  # fmt: skip
+        """`run`: what the sites' plans, seeds and models follow from; `survey`: each node's survey reply;
+        `timeout` bounds each exchange; fewer than `floor` sites with an accepted reply end the run (TooFewSites)."""
+        super().__init__(timeout=timeout)
+        self.run, self.survey, self.task, self.min_available_nodes = run, survey, task, floor
+        self.identities, self.refused = site_identities(survey, task.num_classes)
+        self.grid: Grid | None = None  # the Grid of the round, for the exchanges within it (site validation)
+        # What the rounds found (summary.json's "factory" section in fedskew's app).
+        self.report: dict = {}
         # The accepted sites' per-class real pixel histograms, summed (factory.match-intensity; else None).
         self.real_histograms: np.ndarray | None = None
         # The accepted sites' autoguidance guides (factory.guide-steps; else None).
         self.guides: Library | None = None
-        self.attach(recorder)
 
-    def exchange(self, server_round: int, messages: list[Message]) -> list[Message]:
-        replies = self.grid.send_and_receive(self._count_out(messages), timeout=self.timeout)
+    def received(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies without an error, their bytes counted; a site that sent an error or nothing is dropped."""
         replies = self._count_in(server_round, replies)
         self._record_missing(server_round, "reply")
         for reply in replies:
@@ -142,15 +144,19 @@ class FactoryFlow(RecordingMixin):
                 print(f"site {reply.metadata.src_node_id} sent no result: {reply.error.reason}", flush=True)
         return [r for r in replies if not r.has_error()]
 
-    def checked_replies(self, server_round: int, messages: list[Message], identities: dict[int, SiteIdentity], what: str, check):
+    def exchange(self, server_round: int, messages: list[Message]) -> list[Message]:
+        """An exchange within a round (site validation), through the round's Grid."""
+        return self.received(server_round, self.grid.send_and_receive(self._count_out(messages), timeout=self.timeout))
+
+    def checked(self, server_round: int, replies: Iterable[Message], what: str, check):
         """(identity, reply, check(identity, reply)) for every reply that passes `check`, and the rejections.
         `check` raises UploadRejected for a bad reply; any other error is a server bug: its traceback is
         printed and the reply rejected with that error, so one site never costs the run. Fewer accepted replies
         than the floor (min-available-sites) end the run with TooFewSites naming each rejection."""
         accepted, rejected, refusals = [], [], []
-        for reply in self.exchange(server_round, messages):
+        for reply in self.received(server_round, replies):
             node = reply.metadata.src_node_id
-            identity = identities.get(node)
+            identity = self.identities.get(node)
             try:
                 if identity is None:
                     raise UploadRejected(f"node {node} was not asked for a reply")
@@ -170,10 +176,17 @@ class FactoryFlow(RecordingMixin):
         self.require_floor(server_round, len(accepted), what, refusals)
         return accepted, rejected
 
-    def collect_library(self, survey: dict[int, dict], task: TaskLike, cfg: RunConfig) -> tuple[Library, list[dict]]:
-        """Round 1 to every site with a valid survey identity; returns the library of every upload that
-        passed validation and the rejections (refused identities included)."""
-        identities, refused = site_identities(survey, task.num_classes)
+    def library_messages(self) -> list[Message]:
+        """Round 1: the upload request to every site with a valid survey identity."""
+        return [
+            Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
+            for node in self.identities
+        ]
+
+    def checked_library(self, replies: Iterable[Message]) -> tuple[Library, list[dict]]:
+        """Round 1's replies: the library of every upload that passed validation and the rejections (refused
+        identities included)."""
+        cfg, task = self.run, self.task
         image_shape = tuple(task.image_shape)
         max_bytes = generator_payload_limit(cfg, image_shape, task.num_classes)
         guided = guide_config(cfg)
@@ -206,28 +219,32 @@ class FactoryFlow(RecordingMixin):
                 print(f"site {identity.site_id} withheld {entry['module-id']}: {entry['reason']}", flush=True)
             return modules, guides, histograms, [{"site-id": identity.site_id, **w} for w in withheld]
 
-        messages = [
-            Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), dst_node_id=node, message_type=FACTORY_MESSAGE)
-            for node in identities
-        ]
-        accepted, rejected = self.checked_replies(1, messages, identities, "upload", check)
+        accepted, rejected = self.checked(1, replies, "upload", check)
         modules = [m for _, _, (checked, _, _, _) in accepted for m in checked]
         histograms = [h for _, _, (_, _, h, _) in accepted if h is not None]
-        self.recorder.extra.setdefault("factory", {})["withheld"] = [w for _, _, (_, _, _, site_withheld) in accepted for w in site_withheld]
+        self.report["withheld"] = [w for _, _, (_, _, _, site_withheld) in accepted for w in site_withheld]
         self.real_histograms = sum(histograms) if histograms else None
         guides = sorted((g for _, _, (_, site_guides, _, _) in accepted for g in site_guides), key=lambda g: (g.site_id, g.classes))
         self.guides = Library(tuple(guides), task.num_classes, image_shape, tuple(task.class_names)) if guided else None
-        site_metrics = [
+        self.report["site_metrics"] = [
             {"node": str(identity.node), **reported_metrics(reply), "site-id": identity.site_id} for identity, reply, _ in accepted
         ]
-        self.recorder.extra.setdefault("factory", {})["site_metrics"] = site_metrics
         modules.sort(key=lambda m: (m.site_id, m.classes))
         library = Library(tuple(modules), task.num_classes, image_shape, tuple(task.class_names))
-        return library, refused + rejected
+        return library, self.refused + rejected
 
-    def collect_experts(self, survey: dict[int, dict], library: Library, cfg: RunConfig, task: TaskLike) -> tuple[list[Expert], list[dict]]:
-        """Round 2: relay the library to every identified site, collect and check their experts."""
-        identities, _ = site_identities(survey, task.num_classes)  # the refused ones are reported in round 1
+    def expert_messages(self, library: Library) -> list[Message]:
+        """Round 2: the library relayed to every identified site."""
+        manifest = library.manifest()
+        # One RecordDict per message (Flower would otherwise share one object), all with the same records.
+        return [
+            Message(encode_modules(manifest, list(library.modules)), dst_node_id=node, message_type=P2P_MESSAGE)
+            for node in self.identities
+        ]
+
+    def checked_experts(self, replies: Iterable[Message]) -> tuple[list[Expert], list[dict]]:
+        """Round 2's replies: the experts that pass their checks, by site id, and the rejections."""
+        cfg, task = self.run, self.task
         reference = run_classifier(cfg, tuple(task.image_shape), task.num_classes).state_dict()
         max_bytes = packed_size_limit(reference)
 
@@ -244,13 +261,7 @@ class FactoryFlow(RecordingMixin):
             model.load_state_dict(state)
             return Expert(identity.node, identity.site_id, model.eval(), {**metrics, "site-id": identity.site_id})
 
-        manifest = library.manifest()
-        # One RecordDict per message (Flower would otherwise share one object), all with the same records.
-        messages = [
-            Message(encode_modules(manifest, list(library.modules)), dst_node_id=node, message_type=P2P_MESSAGE)
-            for node in identities
-        ]
-        accepted, rejected = self.checked_replies(2, messages, identities, "expert", check)
+        accepted, rejected = self.checked(2, replies, "expert", check)
         return sorted((expert for _, _, expert in accepted), key=lambda e: e.site_id), rejected
 
 

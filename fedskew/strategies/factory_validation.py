@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 from flwr.app import Message, RecordDict
 
-from fedskew.config import RunConfig
 from fedskew.factory.site_validation import AskSites, ClassScores, pooled, select_and_calibrate
 from fedskew.protocol import CLASSIFIER_KEY, SCORES_KEY, VALIDATION_MESSAGE, packed_weights
-from fedskew.strategies.factory_flow import FactoryFlow, TaskLike
+from fedskew.strategies.factory_flow import FactoryFlow
 
 
 def scores_of(content: RecordDict, num_classes: int, val_size: int, source: str) -> ClassScores:
@@ -50,18 +49,12 @@ def asking(flow: FactoryFlow, survey: dict[int, dict], num_classes: int) -> AskS
 
 
 def validate_at_sites(
-    flow: FactoryFlow,
-    survey: dict[int, dict],
-    model: torch.nn.Module,
-    checkpoints: dict[int, dict[str, torch.Tensor]],
-    cfg: RunConfig,
-    task: TaskLike,
+    flow: FactoryFlow, model: torch.nn.Module, checkpoints: dict[int, dict[str, torch.Tensor]], calibration_rounds: int
 ) -> tuple[torch.nn.Module, dict]:
-    """`model` loaded with the checkpoint the sites' real validation images prefer, output biases
-    calibrated on them; and the report of what they measured."""
-    state, report = select_and_calibrate(
-        checkpoints, task.num_classes, asking(flow, survey, task.num_classes), cfg.factory.calibration_rounds
-    )
+    """`model` loaded with the checkpoint the real validation images of the flow's sites prefer, output biases
+    calibrated on them (`calibration_rounds`: factory.calibration-rounds); and the report of what they measured."""
+    num_classes = flow.task.num_classes
+    state, report = select_and_calibrate(checkpoints, num_classes, asking(flow, flow.survey, num_classes), calibration_rounds)
     model.load_state_dict(state)
     print(
         f"site validation: epoch {report['chosen_epoch']} chosen, balanced accuracy on the sites' real "
