@@ -1,4 +1,6 @@
-"""fedskew ClientApp: each handler loads the site's data and calls a plain function."""
+"""fedskew ClientApp: each handler loads the site's data and calls a plain function. The weight-averaging
+methods' replies (`train_reply`, `mean_gradient_reply`, `evaluate_reply`) take the message content and the site's
+data, so an in-process grid (bench.fednca_search) answers with the very code a SuperNode runs."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ from flwr.common.constant import ErrorCode
 from flwr.clientapp import ClientApp
 
 from fedskew.client_tasks import (
-    evaluate_site, load_site, received_proximal_mu, site_mean_gradient, site_survey, train_site,
+    TensorStore, evaluate_site, load_site, received_proximal_mu, site_mean_gradient, site_survey, train_site,
 )
 from fedskew.config import RunConfig
+from fedskew.data.sites import SiteData
 from fedskew.factory.site import UploadRefusal
 from fedskew.factory.site_handlers import site_expert, site_scores, site_upload
 from fedskew.privacy import privacy_mod
@@ -24,19 +27,19 @@ from fedskew.training import pick_device
 app = ClientApp(mods=[privacy_mod])
 
 
-def received_etf_array(msg: Message) -> np.ndarray | None:
+def received_etf_array(content: RecordDict) -> np.ndarray | None:
     """FedNCA-ML's server-held ETF travels as its own ArrayRecord, never aggregated or returned."""
-    if ETF_KEY not in msg.content.array_records:
+    if ETF_KEY not in content.array_records:
         return None
-    return msg.content[ETF_KEY].to_torch_state_dict()[ETF_KEY].numpy()
+    return content[ETF_KEY].to_torch_state_dict()[ETF_KEY].numpy()
 
 
-def received_arrays(msg: Message, key: str) -> dict | None:
-    """The tensors of the ArrayRecord `key` when the message carries one: SCAFFOLD's server control variate, or
+def received_arrays(content: RecordDict, key: str) -> dict | None:
+    """The tensors of the ArrayRecord `key` when the content carries one: SCAFFOLD's server control variate, or
     FedNCA-ML's correction c - c_i (fednca.control-variates)."""
-    if key not in msg.content.array_records:
+    if key not in content.array_records:
         return None
-    return msg.content[key].to_torch_state_dict()
+    return content[key].to_torch_state_dict()
 
 
 @app.query(handler_name(SURVEY_QUERY))
@@ -46,40 +49,54 @@ def survey(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"survey": ConfigRecord(site_survey(cfg, load_site(cfg, context.node_config)))}), reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    cfg = RunConfig.from_run_config(context.run_config)
-    site = load_site(cfg, context.node_config)
-    config = msg.content["config"]
+def train_reply(cfg: RunConfig, site: SiteData, content: RecordDict, site_state: TensorStore) -> RecordDict:
+    """A training message's reply: the site's round of `train_site` from the content's global weights."""
+    config = content["config"]
     state, metrics = train_site(
         cfg,
         site,
-        msg.content["arrays"].to_torch_state_dict(),
+        content["arrays"].to_torch_state_dict(),
         server_round=int(config["server-round"]),
         proximal_mu=received_proximal_mu(cfg, config),
-        etf=received_etf_array(msg),
-        site_state=SiteState(context),
-        server_control=received_arrays(msg, SCAFFOLD_CONTROL_KEY),
-        control_shift=received_arrays(msg, CONTROL_SHIFT_KEY),
+        etf=received_etf_array(content),
+        site_state=site_state,
+        server_control=received_arrays(content, SCAFFOLD_CONTROL_KEY),
+        control_shift=received_arrays(content, CONTROL_SHIFT_KEY),
     )
-    return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord(metrics)})
+
+
+def mean_gradient_reply(cfg: RunConfig, site: SiteData, content: RecordDict) -> RecordDict:
+    """A gradient query's reply (fednca.control-variates): the site's mean gradient at the content's weights."""
+    gradient, weights = site_mean_gradient(cfg, site, content["arrays"].to_torch_state_dict(),
+                                           server_round=int(content["config"]["server-round"]),
+                                           etf=received_etf_array(content))
+    return RecordDict({"arrays": ArrayRecord(gradient), "metrics": MetricRecord(weights)})
+
+
+def evaluate_reply(cfg: RunConfig, site: SiteData, content: RecordDict) -> RecordDict:
+    """An evaluation message's reply: the global weights' validation report on the site's split."""
+    metrics = evaluate_site(cfg, site, content["arrays"].to_torch_state_dict(), etf=received_etf_array(content))
+    return RecordDict({"metrics": MetricRecord(metrics)})
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg = RunConfig.from_run_config(context.run_config)
+    reply = train_reply(cfg, load_site(cfg, context.node_config), msg.content, SiteState(context))
+    return Message(reply, reply_to=msg)
 
 
 @app.query(handler_name(GRADIENT_QUERY))
 def mean_gradient(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
-    site = load_site(cfg, context.node_config)
-    gradient, weights = site_mean_gradient(cfg, site, msg.content["arrays"].to_torch_state_dict(),
-                                           server_round=int(msg.content["config"]["server-round"]), etf=received_etf_array(msg))
-    return Message(RecordDict({"arrays": ArrayRecord(gradient), "metrics": MetricRecord(weights)}), reply_to=msg)
+    return Message(mean_gradient_reply(cfg, load_site(cfg, context.node_config), msg.content), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_run_config(context.run_config)
-    site = load_site(cfg, context.node_config)
-    metrics = evaluate_site(cfg, site, msg.content["arrays"].to_torch_state_dict(), etf=received_etf_array(msg))
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(evaluate_reply(cfg, load_site(cfg, context.node_config), msg.content), reply_to=msg)
 
 
 @app.train(handler_name(FACTORY_MESSAGE))

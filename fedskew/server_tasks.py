@@ -515,21 +515,35 @@ def train_centralized(
     recorder.etf = etf  # stored in the model files: the model is unusable without it
     model = start_backbone(cfg, build_model(cfg, task.num_classes, task.image_shape, etf=etf), task.image_shape,
                            device).to(device)
+    recorder.record_round(0, {} if test is None else evaluate(model, test.test_images, test.test_labels, device=device))
+
+    def after_round(server_round: int, stats: dict) -> None:
+        site_val, site_counts = pooled_validation(cfg, model, val_images, val_labels, device)
+        result = evaluate_round(model, test, device, multilabel=task.multilabel, threshold_setting=cfg.threshold,
+                                site_val=site_val, site_counts=site_counts, validation=validation)  # fmt: skip
+        record_evaluation(recorder, server_round, model.state_dict(), result, stats)
+
+    train_pooled(cfg, model, images, labels, device, after_round)
+
+
+def train_pooled(
+    cfg: RunConfig, model: nn.Module, images: np.ndarray, labels: np.ndarray, device: torch.device,
+    after_round: Callable[[int, dict], None],
+) -> None:  # fmt: skip
+    """The centralised bound's training of `model` on the pooled (images, labels): one shuffled loader, one
+    optimiser and schedule over the run's rounds x local epochs; `after_round(round, train_local's stats)`
+    after each round's epochs."""
     loader = make_loader(images, labels, cfg.batch_size, shuffle=True, seed=cfg.seed)
     optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader), server_round=1, augment_seed=cfg.seed)
     if scheduler is None:  # the SGD model: the same steps, ending stable instead of at the full rate
         total_steps = cfg.num_server_rounds * cfg.local_epochs * len(loader)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    recorder.record_round(0, {} if test is None else evaluate(model, test.test_images, test.test_labels, device=device))
     for server_round in range(1, cfg.num_server_rounds + 1):
         stats = train_local(
             model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler, loss_fn=loss_fn,
             device=device,
         )
-        site_val, site_counts = pooled_validation(cfg, model, val_images, val_labels, device)
-        result = evaluate_round(model, test, device, multilabel=task.multilabel, threshold_setting=cfg.threshold,
-                                site_val=site_val, site_counts=site_counts, validation=validation)  # fmt: skip
-        record_evaluation(recorder, server_round, model.state_dict(), result, stats)
+        after_round(server_round, stats)
 
 
 def pooled_validation(

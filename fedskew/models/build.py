@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,13 +57,13 @@ def weights_mismatch(state: dict[str, torch.Tensor], reference: dict[str, torch.
 
 
 def start_backbone(cfg: RunConfig, model: nn.Module, image_shape: tuple[int, int, int],
-                   device: torch.device | None = None) -> nn.Module:
+                   device: torch.device | None = None, pretrain: Callable = fractal_pretrain) -> nn.Module:
     """The server's initial model: its backbone from `pretrained`, or trained `fractal-pretrain-epochs` on
-    formula-drawn fractals of `image_shape` (channels, height, width) on `device` (default CPU), or as built.
+    formula-drawn fractals of `image_shape` (channels, height, width) on `device` (default CPU) by `pretrain`
+    (`fractal_pretrain`'s signature; the benchmark's keeps its backbones on disk), or as built.
     Sites receive these weights in round 1 and never read the file nor draw the fractals."""
     if cfg.pretrained:
         load_pretrained(model.backbone, cfg.pretrained, cfg.model)
     elif cfg.fractal_pretrain_epochs:
-        fractal_pretrain(model.backbone, image_shape[0], image_shape[1], cfg.fractal_pretrain_epochs, cfg.seed,
-                         device=device)
+        pretrain(model.backbone, image_shape[0], image_shape[1], cfg.fractal_pretrain_epochs, cfg.seed, device=device)
     return model
