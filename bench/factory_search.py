@@ -70,6 +70,7 @@ from fedskew.models.edm2 import train_generator
 from fedskew.models.ensemble import ExpertEnsemble
 from fedskew.factory.site_validation import class_scores, pooled, select_and_calibrate
 from fedskew.fidelity import classifier_features, mean_over_classes, per_class_fidelity
+from fedskew.methods import method_of
 from fedskew.training import evaluate, pick_device
 
 SILOS = {"mosaic-grid": 0, "partition": "classes-per-site", "classes-per-site": 1}
@@ -285,7 +286,7 @@ def run_variant(cfg: RunConfig, num_sites: int, out: Path, name: str, references
         references[ref_key] = centralised_reference(cfg, sites, test, device, bound_epochs)
     reference, reference_metrics = references[ref_key]
     real = np.concatenate([s.train_images for s in sites]), np.concatenate([s.train_labels for s in sites])
-    if cfg.method == "factory-p2p":  # the Product of Experts (a factory-p2p run's final round) instead of the server's classifier
+    if method_of(cfg).p2p:  # the Product of Experts (a factory-p2p run's final round) instead of the server's classifier
         p2p = p2p_variant(cfg, sites, library, library_dir, test, device, match_experts)
         return {
             "variant": name, "seed": cfg.seed, "accuracy": p2p["poe"]["accuracy"], "balanced_accuracy": p2p["poe"]["balanced_accuracy"],

@@ -6,15 +6,13 @@
     python -m bench.fednca_search --out OUT --table --seeds 0,1,2
     python -m bench.fednca_search --out OUT --agreement-plot
 
-Every trial is one method with one set of run-config overrides on one dataset. It runs Flower's
-math in one process, with the very functions the ClientApp and ServerApp call: each round every
-site trains from the global weights with `train_site`, the server averages every array weighted
-by the sites' example counts (what Flower's FedAvg aggregation does, in float64), and the
-centralised bound trains with `local_optimisation` + `train_local` on the pooled site data, as
-`train_centralized` does. Kept AdamW state lives per site between rounds, as in the ClientApp's
-node state. To fit a shared 2-core machine a trial keeps only `--site-fraction` of each site's
-training split (the same seeded subset for every trial) and runs `--rounds` x `--local-epochs`;
-the validation and test splits stay whole.
+Every trial is one method with one set of run-config overrides on one dataset, run in one process by the
+app's own code: a federated method's strategy is `fedskew.strategies.build_strategy`'s, started with Flower's
+own `start` over a `bench.site_grid.SiteGrid`, whose nodes answer every message with the reply functions of
+fedskew's ClientApp (`train_site` and the rest, each node with its own state between rounds); the centralised
+bound trains with `fedskew.server_tasks.train_pooled`, as `train_centralized` does. To fit a shared 2-core
+machine a trial keeps only `--site-fraction` of each site's training split (the same seeded subset for every
+trial) and runs `--rounds` x `--local-epochs`; the validation and test splits stay whole.
 
 Selection: a trial's score is macro-F1 on the union of the sites' validation splits after the
 last round. A FedNCA-ML setting replaces the default only if its score is higher on every dataset;
@@ -29,53 +27,58 @@ validation macro-AUC and mAP, labels predicted per image at 0.5 against labels p
 macro-F1 at the one threshold that is best on validation (and the test F1 at it) and at one threshold per
 label chosen the same way (`label_thresholds`), the scores with
 BatchNorm statistics recomputed on the pooled training data instead of averaged, the validation AUC
-after every round, for federated methods the sites' own models' mean validation AUC before the
-last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation images
-with the class features' cosine to their own prototypes (`loss_terms`) and, after every round, to each other
-(`class_feature_cosine`; `--curves-plot` draws it beside the AUC), and for federated methods how much of
-the sites' changes survives each round's average, per group of weights (`update_agreement`; `--agreement-plot`
-draws it by round into OUT/agreement.png). Ablations that are no run-config key are `bench.*` overrides (`bench.norm = "group"`:
-GroupNorm in the small CNN; `bench.server-momentum = beta`: FedAvgM's server momentum).
+after every round (Flower's `evaluate_fn`), for federated methods the sites' own models' mean validation AUC
+before the last average, and for FedNCA-ML's model its three loss terms on the pooled training and validation
+images with the class features' cosine to their own prototypes (`loss_terms`) and, after every round, to each
+other (`class_feature_cosine`; `--curves-plot` draws it beside the AUC), and for federated methods how much of
+the sites' changes survives each round's average, per group of weights (`update_agreement`, from the replies
+the grid carries; `--agreement-plot` draws it by round into OUT/agreement.png).
+
+Two overrides are no run-config key, since they choose the sites' data, not the code: `bench.pooled-sites = n`
+(n sites, each holding every n-th site's images: `pooled_sites`) and `bench.epoch-split = k` (a k-th of an
+epoch per round: `epoch_part`). The earlier trials' other `bench.*` ablations (GroupNorm, server momentum and
+Adam, optimiser restarts, MimeLite, ...) ran on this harness's own re-implementation of the federation and
+patched the app's code; they stay in TRIALS and in the recorded trials.jsonl files as history for `--report`
+and `--table`, and no longer run.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
-import functools
 import hashlib
 import inspect
-import itertools
 import json
 import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 
 from bench.compare import summarise
-from fedskew import client_tasks
-from fedskew.client_tasks import OPTIMIZER_SITE_STATE, local_optimisation, train_site
+from bench.site_grid import SiteGrid, server_identity
 from fedskew.config import RunConfig
-from fedskew.data import sites as site_data, sources, synthetic
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.drift import control_shifts, gradient_moments, scaffold_correction, weighted_control, zeros_like_parameters
-from fedskew.models import backbones, build as model_build
+from fedskew.methods import method_of
 from fedskew.models import fednca as fednca_model
-from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.models import fractal as fractal_module
+from fedskew.models.build import build_model, server_etf, start_backbone
 from fedskew.metrics import THRESHOLD_GRID, choose_threshold, multilabel_metrics, threshold_counts
-from fedskew.training import evaluate, make_loader, predict, train_local
+from fedskew.server_tasks import train_pooled
+from fedskew.strategies import build_strategy
+from fedskew.strategies.recording import TooFewSites
+from fedskew.training import evaluate, make_loader, predict
 
 NUM_SITES = 10
+# The overrides a trial may still give that are no run-config key (the module's docstring says why only these).
+BENCH_OPTIONS = ("bench.pooled-sites", "bench.epoch-split")
 # Where trials keep their fractal-pretrained backbones (`cached_fractal_pretrain`): outside the repository.
 FRACTAL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedskew" / "fractal-backbones"
 # Multi-label datasets of different size, texture and difficulty, all with multilabel-skew partitions.
@@ -94,7 +97,8 @@ DATASETS = {
 SHARED_SECOND_MOMENT = {"num-server-rounds": 60, "local-epochs": 1, "fednca.keep-optimizer-state": True,
                         "bench.average-optimizer-state": "second-moment", "bench.first-moment-bias-restart": True}
 DEFAULT_TRIAL = "fednca-lr3e-3"  # FedNCA-ML at its current defaults
-# (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid.
+# (name, method, overrides): the FedNCA-ML ablations first, then each baseline's learning-rate grid. Trials with
+# a retired bench.* override (`retired_options`) are the recorded history `--report` reads; they no longer run.
 TRIALS = [
     ("fednca-lr3e-3", "fednca", {"fednca.lr": 3e-3}),
     ("fednca-lr1e-3-keep", "fednca", {"fednca.lr": 1e-3, "fednca.keep-optimizer-state": True}),
@@ -531,33 +535,11 @@ def pooled_sites(sites: list[SiteData], groups: int) -> list[SiteData]:
            for field in ("train_images", "train_labels", "val_images", "val_labels")}) for g in range(groups)]
 
 
-class SiteCycle:
-    """The batches of one site after another, each site's own shuffled afresh every pass: cyclic weight transfer
-    (Chang et al. 2018, JAMIA 25(8)), one model and one AdamW handed from site to site, as a loader; no image
-    leaves its site, the model and the optimiser's moments travel."""
-
-    def __init__(self, loaders: list):
-        self.loaders = loaders
-        self.dataset = torch.utils.data.ConcatDataset([loader.dataset for loader in loaders])
-
-    def __iter__(self):
-        return itertools.chain.from_iterable(self.loaders)
-
-    def __len__(self) -> int:
-        return sum(len(loader) for loader in self.loaders)
-
 
 def example_weights(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> np.ndarray:
     """Each site's share of the round's training examples, the weight Flower's FedAvg gives its update."""
     weights = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
     return weights / weights.sum()
-
-
-def federated_average(updates: list[tuple[dict[str, torch.Tensor], dict]]) -> dict[str, torch.Tensor]:
-    """Every array averaged with weights num-examples / total, in float64 (Flower's aggregate_arrayrecords)."""
-    weights = example_weights(updates)
-    keys = updates[0][0]
-    return {k: sum(w * update[k].double() for w, (update, _) in zip(weights, updates)) for k in keys}
 
 
 def parameter_group(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -593,372 +575,64 @@ def update_agreement(global_state: dict[str, torch.Tensor], updates: list[tuple[
     return agreement
 
 
-class DictStore:
-    """A site's between-rounds tensor store (the ClientApp keeps it in its node state)."""
 
-    def __init__(self):
-        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
-
-    def get(self, name: str) -> dict[str, torch.Tensor] | None:
-        return self.tensors.get(name)
-
-    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors[name] = dict(tensors)
-
-
-class ControlVariates:
-    """SCAFFOLD's drift correction (Karimireddy et al., ICML 2020) for FedNCA-ML's AdamW sites
-    (bench.control-variates): before every AdamW step a site's gradient g becomes g - c_i + c, where c_i is the
-    mean of the site's own uncorrected gradients over its previous round's steps and c the sites' example-weighted
-    mean of theirs, so a site steps along an estimate of the pooled data's gradient rather than its own labels'.
-    SCAFFOLD's option II estimate (x - y_i) / (K lr) assumes K plain SGD steps; AdamW's steps are not lr * g, so
-    c_i is measured directly, the trajectory's mean gradient (option I's quantity, taken along the round's steps
-    instead of in an extra pass at the global weights). Round 1 runs uncorrected (every c_i and c zero). The
-    controls measured at each round's global weights are the app's fednca.control-variates (`fresh_shifts`)."""
-
-    STATE = "control-variate"
-
-    def __init__(self):
-        self.server: dict[str, torch.Tensor] | None = None
-        self.round_controls: list[dict[str, torch.Tensor]] = []
-
-    def drift_correction(self, cfg: RunConfig, model: torch.nn.Module, site_state, server_control, steps: int):
-        """client_tasks.drift_correction's contract: (gradient hook, finish, restored)."""
-        saved = site_state.get(self.STATE)
-        site_control = saved or zeros_like_parameters(model)
-        correct = scaffold_correction(model, site_control, self.server or zeros_like_parameters(model))
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        sums = {name: torch.zeros_like(p) for name, p in trainable}
-        taken = [0]
-
-        def before_step() -> None:
-            with torch.no_grad():
-                for name, p in trainable:
-                    if p.grad is not None:
-                        sums[name].add_(p.grad)
-            taken[0] += 1
-            correct()
-
-        def finish() -> dict[str, torch.Tensor]:
-            control = {name: (total / max(taken[0], 1)).cpu() for name, total in sums.items()}
-            site_state.put(self.STATE, control)
-            self.round_controls.append(control)
-            return {}
-
-        return before_step, finish, saved is not None
-
-    def server_update(self, examples: np.ndarray) -> None:
-        """c: the round's site controls, example-weighted as FedAvg weights the sites' models."""
-        self.server = weighted_control(dict(enumerate(self.round_controls)), dict(enumerate(examples.tolist())))
-        self.round_controls = []
-
-
-def fresh_shifts(cfg: RunConfig, sites: list[SiteData], state: dict[str, torch.Tensor], etf: np.ndarray | None,
-                 server_round: int) -> list[dict[str, torch.Tensor]]:
-    """Each site's correction c - c_i for fednca.control-variates, as the ServerApp computes it from the sites'
-    answers: c_i the site's mean gradient at the global weights `state`, c their example-weighted mean."""
-    answers = [client_tasks.site_mean_gradient(cfg, site, state, server_round=server_round, etf=etf) for site in sites]
-    shifts = control_shifts({k: gradient for k, (gradient, _) in enumerate(answers)},
-                               {k: metrics["num-examples"] for k, (_, metrics) in enumerate(answers)})
-    return [shifts[k] for k in range(len(sites))]
-
-
-def optimizer_restarts(optimizer: torch.optim.Optimizer, every: int, first_moment_only: bool = False,
-                       refill: Callable[[], None] | None = None):
-    """A `before_step` hook that forgets the optimiser's state (AdamW's moments and step count) before every
-    `every`-th step, as a federated site's fresh AdamW does each round; the lr schedule goes on. With
-    `first_moment_only` it zeroes AdamW's first moment and keeps the second moment and the step count;
-    `refill` then sets the fresh state (`warm_start_adam`)."""
-    calls = itertools.count()
-
-    def restart() -> None:
-        if next(calls) % every:
-            return
-        if not first_moment_only:
-            optimizer.state.clear()
-        for state in optimizer.state.values():
-            state["exp_avg"].zero_()
-        if refill is not None:
-            refill()
-
-    return restart
-
-
-class FirstMomentBiasRestart:
-    """Restart AdamW's first-moment bias correction with its first moment while the step count goes on for
-    the second. Zeroing exp_avg but keeping the step (`first_moment_only`, `"second-moment"`) leaves the first
-    steps after it divided by 1 - beta1^t = 1 instead of 1 - beta1^j (j steps since the zeroing): about 0.3x
-    the scheduled step over a 6-step window, a smaller learning rate and not only a shorter memory. Each step's
-    lr is scaled by (1 - beta1^t) / (1 - beta1^j) and put back after it (AdamW's decoupled weight decay, lr x wd
-    ~ 1e-5 a step, scales with it); a fresh AdamW (t = j) gets factor 1. `restart()` sets j back to 0."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.steps, self.saved_lrs = 0, []
-        optimizer.register_step_pre_hook(self.scale)
-        optimizer.register_step_post_hook(self.restore)
-
-    def restart(self) -> None:
-        self.steps = 0
-
-    def scale(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        self.steps += 1
-        self.saved_lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            beta1 = group["betas"][0]
-            counts = [float(optimizer.state[p]["step"]) for p in group["params"] if "step" in optimizer.state.get(p, {})]
-            t = (max(counts) if counts else 0.0) + 1
-            group["lr"] *= (1 - beta1**t) / (1 - beta1**self.steps)
-
-    def restore(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        for group, lr in zip(optimizer.param_groups, self.saved_lrs):
-            group["lr"] = lr
-
-
-def first_moment_bias_restarted(build):
-    """`local_optimisation` whose AdamW restarts its first moment's bias correction at the round's first step
-    (the sites of bench.first-moment-bias-restart, whose kept first moment the server zeroed)."""
-
-    def build_with_restart(*args, **kwargs):
-        optimizer, scheduler, loss_fn = build(*args, **kwargs)
-        FirstMomentBiasRestart(optimizer)
-        return optimizer, scheduler, loss_fn
-
-    return build_with_restart
-
-
-def sharpness_aware(loss_fn, rho: float):
-    """`loss_fn` whose gradient is SAM's (Foret et al., ICLR 2021; FedSAM, Qu et al., ICML 2022): the batch's
-    gradient at the weights moved by rho along their normalised gradient, the ascent step, taken back before the
-    optimiser steps. Its value is the loss at the moved weights. Two passes over the batch instead of one; both
-    update the BatchNorm statistics, at the sites and in the bound alike."""
-
-    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        params = [p for p in model.parameters() if p.requires_grad]
-        gradients = torch.autograd.grad(loss_fn(model, x, y), params, allow_unused=True)
-        gradients = [torch.zeros_like(p) if g is None else g for p, g in zip(params, gradients)]
-        norm = torch.sqrt(sum((g * g).sum() for g in gradients)).clamp_min(1e-12)
-        weights = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, g in zip(params, gradients):
-                p.add_(g, alpha=rho / float(norm))
-        moved = loss_fn(model, x, y)
-        sharp = torch.autograd.grad(moved, params, allow_unused=True)
-        with torch.no_grad():
-            for p, w in zip(params, weights):
-                p.copy_(w)  # exactly the weights before the ascent: w + e - e need not be w in floating point
-        # The value of the moved loss with the moved gradient: train_local's backward() then leaves SAM's gradient.
-        surrogate = sum((p * g).sum() for p, g in zip(params, sharp) if g is not None)
-        return moved.detach() + surrogate - surrogate.detach()
-
-    return loss
-
-
-def sharpness_aware_optimisation(build, rho: float):
-    """`local_optimisation` with its loss made `sharpness_aware` (the sites and the bound of bench.sam-rho)."""
-
-    def build_with_sam(*args, **kwargs):
-        optimizer, scheduler, loss_fn = build(*args, **kwargs)
-        return optimizer, scheduler, sharpness_aware(loss_fn, rho)
-
-    return build_with_sam
-
-
-def warm_start_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, batches: Iterable, loss_fn,
-                    device: torch.device, limit: int | None = None) -> None:
-    """Set a fresh AdamW's moments from the gradients of `batches` at the current weights, as if it had taken
-    one step on each without moving: exp_avg = mean g (1 - beta1^K), exp_avg_sq = mean g^2 (1 - beta2^K), step
-    K, so the first real step is not the sign-like step of a restarted Adam. Needs no memory across rounds:
-    one more pass over the site's batches before it trains (the first `limit` of them, if given). BatchNorm
-    statistics are left as they were."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    means, mean_squares, count = gradient_moments(model, params, batches, loss_fn, device, limit)
-    moments = {id(p): pair for p, pair in zip(params, zip(means, mean_squares))}
-    for group in optimizer.param_groups:
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            mean, mean_square = moments[id(p)]
-            optimizer.state[p] = {"step": torch.tensor(float(count)), "exp_avg": mean * (1 - beta1**count),
-                                  "exp_avg_sq": mean_square * (1 - beta2**count)}
-
-
-class MimeLite:
-    """`bench.mime-lite`: the sites' AdamW runs on moments the server holds and the sites never change (MimeLite,
-    Karimireddy et al. 2020, arXiv:2008.03606). Each round a site first takes one gradient pass over its batches
-    at the global weights (no step); every local step then starts from the server's moments, m' = b1 m + (1-b1) g,
-    v' = b2 v + (1-b2) g^2 with bias corrections for the server's t updates + 1, and throws m', v' away. After
-    the round the server updates its moments once, with the sites' mean gradients at the global weights averaged
-    by example count: m <- b1 m + (1-b1) g_avg, and v from the sites' mean squared batch gradients
-    (`second_moment = "batch-squares"`, what central AdamW's v tracks) or from g_avg^2 (`"mean-gradient"`, the
-    paper's update with full-batch gradients). Memory across rounds, like the bound's AdamW, but the moments are
-    measured at the global weights and fixed during local steps, so no site's own fitting enters them. `betas`
-    serve the server's update and the local steps alike, as in the paper; round 1, before the server holds
-    moments, is a plain fresh AdamW with them. `train` is the local training loop it wraps."""
-
-    def __init__(self, second_moment: str, betas: tuple[float, float], train: Callable = train_local):
-        if second_moment not in ("batch-squares", "mean-gradient"):
-            raise ValueError(f"bench.mime-lite is 'batch-squares' or 'mean-gradient', got {second_moment!r}")
-        self.second_moment, self.betas, self.train = second_moment, betas, train
-        self.updates = 0
-        self.first: list[torch.Tensor] = []
-        self.second: list[torch.Tensor] = []
-        self.site_moments: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-
-    def train_local(self, model, loader, *, optimizer, loss_fn, device, **rest):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        means, mean_squares, _ = gradient_moments(model, params, loader, loss_fn, device)
-        self.site_moments.append((means, mean_squares))
-        for group in optimizer.param_groups:
-            group["betas"] = self.betas
-        handle = optimizer.register_step_pre_hook(self.install) if self.updates else None
-        try:
-            return self.train(model, loader, optimizer=optimizer, loss_fn=loss_fn, device=device, **rest)
-        finally:
-            if handle is not None:
-                handle.remove()
-
-    def install(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        """Before every local step: the server's moments, whatever the previous step made of them."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for p, m, v in zip(params, self.first, self.second):
-            optimizer.state[p] = {"step": torch.tensor(float(self.updates)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-
-    def update(self, weights: list[dict]) -> None:
-        """The server's one moment update of the round, from the sites' passes at the global weights."""
-        shares = np.array([metrics["num-examples"] for metrics in weights], dtype=np.float64)
-        shares /= shares.sum()
-        count = len(self.site_moments[0][0])
-        mean = [sum(float(w) * site[0][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
-        squares = ([sum(float(w) * site[1][i] for w, site in zip(shares, self.site_moments)) for i in range(count)]
-                   if self.second_moment == "batch-squares" else [g * g for g in mean])
-        beta1, beta2 = self.betas
-        self.first = [beta1 * m + (1 - beta1) * g for m, g in zip(self.first or [torch.zeros_like(g) for g in mean], mean)]
-        self.second = [beta2 * v + (1 - beta2) * s for v, s in zip(self.second or [torch.zeros_like(s) for s in squares], squares)]
-        self.updates += 1
-        self.site_moments.clear()
-
-
-def warm_started_train_local(model, loader, *, optimizer, loss_fn, device, **rest):
-    """`train_local` after `warm_start_adam` over the site's own batches (the bench.moment-warm-start sites)."""
-    warm_start_adam(optimizer, model, loader, loss_fn, device)
-    return train_local(model, loader, optimizer=optimizer, loss_fn=loss_fn, device=device, **rest)
-
-
-def shared_optimizer_state(kept: list[dict[str, torch.Tensor]], weights: list[dict], part: str) -> dict[str, torch.Tensor]:
-    """The sites' kept AdamW states averaged with their example weights (`part = "both"`), or only the second
-    moment and step count averaged and the first moment zeroed (`part = "second-moment"`)."""
-    shared = federated_average(list(zip(kept, weights)))
-    if part == "second-moment":
-        shared.update({k: torch.zeros_like(v) for k, v in shared.items() if k.endswith(".exp_avg")})
-    return {k: v.float() for k, v in shared.items()}
-
-
-def train_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf, probe, server_momentum: float = 0.0,
-                server_adam_lr: float = 0.0, server_lr: float = 1.0, optimizer_reset_steps: int = 0,
-                average_optimizer_state: str = "", first_moment_reset: bool = False,
-                moment_warm_start: bool = False, server_adam_tau: float = 1e-3,
-                first_moment_bias_restart: bool = False, mime_lite: str = "", mime_round_betas: bool = False,
-                proximal_mu: float = 0.0, shared_state_from_round: int = 1, epoch_split: int = 1,
-                rounds: range | None = None, cyclic: bool = False,
-                control_variates: ControlVariates | None = None) -> dict:
-    """Train `model` in place as the method does (federated rounds, or the centralised bound). Returns the
-    trace: `probe(model)` (a dict of measures, validation macro-AUC "val_auc" among them: each kept as
-    "<measure>_by_round") and the training loss after every round (the bound's over its
-    epoch; the sites' over their local training, weighted by example count), and for federated methods the mean
-    validation AUC of the sites' own models after their last local training, before averaging, and each round's `update_agreement`
-    per group of weights. `optimizer_reset_steps`
-    (centralised only) restarts the bound's AdamW every that many steps (`first_moment_reset`: its first
-    moment only; `first_moment_bias_restart`: with its bias correction, `FirstMomentBiasRestart`);
-    `average_optimizer_state` (with fednca.keep-optimizer-state; "both" or "second-moment")
-    replaces every site's kept AdamW state by the sites' average after each round (`shared_optimizer_state`),
-    so all sites start the next round from the same moments, from round `shared_state_from_round` on (before it
-    every site's AdamW restarts each round, as at the default, and the state shared after that round is the first);
-    `mime_lite` trains the sites on the server's frozen
-    AdamW moments (`MimeLite`), with AdamW's betas raised to the power of a round's local steps where
-    `mime_round_betas` (so the server's moments remember as many local steps as a central AdamW's);
-    `proximal_mu` gives a FedNCA-ML site FedProx's proximal term (FedProx itself takes the run's `proximal-mu`);
-    `epoch_split` > 1 gives a site one of that many parts of an epoch each round (`epoch_part`); `rounds` (all
-    of the run's by default) trains only those rounds (epochs of the bound), the schedule where the run has it
-    at the first of them, from `model` as it is (`bench.start-from-bound-epoch`); `cyclic` (centralised only)
-    visits the sites' images one site after another instead of shuffled together (`SiteCycle`);
-    `control_variates` corrects the sites' gradients for their drift (`ControlVariates`)."""
-    device = torch.device("cpu")
-    rounds = rounds or range(1, cfg.num_server_rounds + 1)
+def train_centralized_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, probe) -> dict:
+    """The centralised bound on the sites' pooled training images, through `train_pooled` (the app's bound):
+    `probe(model)` and the epoch's training loss after every round."""
     trace = {"val_auc_by_round": [], "train_loss_by_round": []}
-    if cfg.method == "centralized":
-        if cyclic:
-            loader = SiteCycle([make_loader(s.train_images, s.train_labels, cfg.batch_size, shuffle=True, seed=cfg.seed + k)
-                                for k, s in enumerate(sites)])
-        else:
-            loader = make_loader(np.concatenate([s.train_images for s in sites]),
-                                 np.concatenate([s.train_labels for s in sites]), cfg.batch_size, shuffle=True, seed=cfg.seed)
-        optimizer, scheduler, loss_fn = local_optimisation(cfg, model, cfg.local_epochs * len(loader),
-                                                           server_round=rounds.start, augment_seed=cfg.seed)
-        # A warm start reads the next batches of a second pass over the pooled data, as a site reads its round's.
-        batches = (batch for _ in itertools.count() for batch in loader)
-        refill = (functools.partial(warm_start_adam, optimizer, model, batches, loss_fn, device, optimizer_reset_steps)
-                  if moment_warm_start else None)
-        if first_moment_bias_restart:
-            refill = FirstMomentBiasRestart(optimizer).restart
-        before_step = (optimizer_restarts(optimizer, optimizer_reset_steps, first_moment_reset, refill)
-                       if optimizer_reset_steps else None)
-        for _ in rounds:
-            stats = train_local(model, loader, epochs=cfg.local_epochs, optimizer=optimizer, scheduler=scheduler,
-                                loss_fn=loss_fn, device=device, before_step=before_step)
-            record(trace, probe(model))
-            trace["train_loss_by_round"].append(round(float(stats["train_loss"]), 4))
-        return trace
-    state = model.state_dict()
-    stores = [DictStore() for _ in sites]
-    mu = cfg.proximal_mu if cfg.method == "fedprox" else proximal_mu
-    etf_array = etf.numpy() if etf is not None else None
-    parameter_names = [name for name, _ in model.named_parameters()]
-    velocity: dict[str, torch.Tensor] = {}
-    betas = (0.9, cfg.fednca.beta2)
-    if mime_round_betas:
-        steps = round(cfg.local_epochs * float(np.mean([math.ceil(len(s.train_labels) / cfg.batch_size) for s in sites])))
-        betas = (betas[0] ** steps, betas[1] ** steps)
-    mime = MimeLite(mime_lite, betas) if mime_lite else None
-    for server_round in rounds:
-        shifts = (fresh_shifts(cfg, sites, state, etf_array, server_round) if cfg.fednca.control_variates
-                  else [None] * len(sites))
-        with contextlib.ExitStack() as patches:
-            if mime is not None:
-                patches.enter_context(mock.patch.object(client_tasks, "train_local", mime.train_local))
-            if control_variates is not None:
-                patches.enter_context(mock.patch.object(client_tasks, "drift_correction",
-                                                        control_variates.drift_correction))
-            updates = [
-                train_site(cfg, epoch_part(site, server_round, epoch_split, cfg.seed), state, server_round=server_round,
-                           proximal_mu=mu, etf=etf_array, site_state=stores[k], control_shift=shifts[k])
-                for k, site in enumerate(sites)
-            ]
-        averaged = federated_average(updates)
-        if control_variates is not None:
-            control_variates.server_update(np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64))
-        for group, value in update_agreement(state, updates, parameter_names).items():
-            trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
-        if mime is not None:
-            mime.update([metrics for _, metrics in updates])
-        if average_optimizer_state:
-            shared = (shared_optimizer_state([store.get(OPTIMIZER_SITE_STATE) for store in stores],
-                                             [metrics for _, metrics in updates], average_optimizer_state)
-                      if server_round >= shared_state_from_round else {})  # an empty state is a fresh AdamW
-            for store in stores:
-                store.put(OPTIMIZER_SITE_STATE, shared)
-        if server_adam_lr:
-            state, velocity = server_adam_step(state, averaged, velocity, server_adam_lr, parameter_names, tau=server_adam_tau)
-        else:
-            state, velocity = momentum_step(state, averaged, velocity, server_momentum, parameter_names, server_lr)
-        model.load_state_dict(state)  # copies into each buffer's own dtype, as a site does on receipt
+
+    def after_round(server_round: int, stats: dict) -> None:
         record(trace, probe(model))
+        trace["train_loss_by_round"].append(round(float(stats["train_loss"]), 4))
+
+    train_pooled(cfg, model, np.concatenate([s.train_images for s in sites]),
+                 np.concatenate([s.train_labels for s in sites]), torch.device("cpu"), after_round)
+    return trace
+
+
+def train_federated_trial(cfg: RunConfig, sites: list[SiteData], model: torch.nn.Module, etf: torch.Tensor | None,
+                          probe, epoch_split: int = 1) -> dict:
+    """The method's own strategy (`build_strategy`) through Flower's `start` over a `SiteGrid` of `sites`, from
+    `model`'s weights; `model` ends at the last round's global weights. The trace: `probe(model)` after every round
+    (Flower's `evaluate_fn`), and from the training replies the sites' example-weighted training loss, each
+    round's `update_agreement` and the mean validation AUC of the sites' own models of the last round."""
+    trace = {"val_auc_by_round": [], "train_loss_by_round": []}
+    grid = SiteGrid(cfg, sites, lambda site, server_round: epoch_part(site, server_round, epoch_split, cfg.seed))
+    parameter_names = [name for name, _ in model.named_parameters()]
+    last_updates: list[tuple[dict[str, torch.Tensor], dict]] = []
+
+    def observe(messages: list[Message], replies: list[Message]) -> None:
+        trained = [(m, r) for m, r in zip(messages, replies) if m.metadata.message_type == MessageType.TRAIN]
+        if not trained:
+            return
+        sent = trained[0][0].content["arrays"].to_torch_state_dict()
+        updates = [(r.content["arrays"].to_torch_state_dict(), dict(r.content["metrics"])) for _, r in trained]
+        for group, value in update_agreement(sent, updates, parameter_names).items():
+            trace.setdefault("update_agreement_by_round", {}).setdefault(group, []).append(value)
         # What a Flower run logs as the round's train loss: the sites' running losses, weighted by example count.
-        examples = np.array([metrics["num-examples"] for _, metrics in updates], dtype=np.float64)
         losses = np.array([metrics["train_loss"] for _, metrics in updates], dtype=np.float64)
-        trace["train_loss_by_round"].append(round(float(losses @ examples / examples.sum()), 4))
+        trace["train_loss_by_round"].append(round(float(losses @ example_weights(updates)), 4))
+        last_updates[:] = updates
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0:  # the starting weights: not a round of the trace
+            return None
+        model.load_state_dict(arrays.to_torch_state_dict())
+        measures = probe(model)
+        record(trace, measures)
+        return MetricRecord(measures)
+
+    grid.observers.append(observe)
+    with server_identity():
+        build_strategy(cfg, len(sites), model, etf).start(
+            grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=cfg.num_server_rounds,
+            timeout=cfg.round_timeout, train_config=ConfigRecord({"local-epochs": cfg.local_epochs}),
+            evaluate_fn=evaluate_fn,
+        )
     site_model = copy.deepcopy(model)
     site_scores = []
-    for update, _ in updates:
-        site_model.load_state_dict({k: v for k, v in update.items() if k in state})
+    for update, _ in last_updates:
+        site_model.load_state_dict({k: v for k, v in update.items() if k in model.state_dict()})
         site_scores.append(probe(site_model)["val_auc"])
     trace["site_val_auc"] = float(np.mean(site_scores))
     return trace
@@ -981,50 +655,6 @@ def epoch_part(site: SiteData, server_round: int, parts: int, seed: int) -> Site
     return dataclasses.replace(site, train_images=site.train_images[rows], train_labels=site.train_labels[rows])
 
 
-def momentum_step(
-    global_weights: dict[str, torch.Tensor],
-    averaged: dict[str, torch.Tensor],
-    velocity: dict[str, torch.Tensor],
-    momentum: float,
-    parameter_names: Iterable[str],
-    server_lr: float = 1.0,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Server momentum (FedAvgM, Hsu et al. 2019, arXiv:1909.06335): the average's change to the global
-    weights is a pseudo-gradient with a heavy-ball velocity, v <- beta v + (average - global), global <- global
-    + server_lr v; beta = 0 and server_lr = 1 is FedAvg. Only trainable parameters move with momentum:
-    BatchNorm statistics take the average (an extrapolated running variance could turn negative). Returns the
-    next weights and velocity."""
-    new_weights, new_velocity = dict(averaged), {}
-    for name in parameter_names:
-        step = averaged[name].double() - global_weights[name].double()
-        if name in velocity:
-            step = step + momentum * velocity[name].double()
-        new_velocity[name] = step
-        new_weights[name] = (global_weights[name].double() + server_lr * step).to(averaged[name].dtype)
-    return new_weights, new_velocity
-
-
-def server_adam_step(
-    global_weights: dict[str, torch.Tensor],
-    averaged: dict[str, torch.Tensor],
-    moments: dict[str, torch.Tensor],
-    lr: float,
-    parameter_names: Iterable[str],
-    betas: tuple[float, float] = (0.9, 0.99),
-    tau: float = 1e-3,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """FedAdam (Reddi et al. 2021, arXiv:2003.00295): Adam on the pseudo-gradient (average - global) with
-    their tau and betas; only trainable parameters, BatchNorm statistics take the average. Written here
-    because Flower's FedAdam (`method = "fedadam"` in a run) works on Messages, not on the in-process rounds
-    of this search, and moves the BatchNorm statistics with Adam too."""
-    new_weights, new_moments = dict(averaged), {}
-    for name in parameter_names:
-        delta = averaged[name].double() - global_weights[name].double()
-        m = betas[0] * moments.get(f"{name}.m", torch.zeros_like(delta)) + (1 - betas[0]) * delta
-        v = betas[1] * moments.get(f"{name}.v", torch.zeros_like(delta)) + (1 - betas[1]) * delta**2
-        new_moments[f"{name}.m"], new_moments[f"{name}.v"] = m, v
-        new_weights[name] = (global_weights[name].double() + lr * m / (v.sqrt() + tau)).to(averaged[name].dtype)
-    return new_weights, new_moments
 
 
 @torch.no_grad()
@@ -1139,306 +769,6 @@ def diagnose(model: torch.nn.Module, sites: list[SiteData], data, cfg: RunConfig
     return scores
 
 
-def group_norm_block(in_channels: int, out_channels: int, stride: int = 1) -> torch.nn.Sequential:
-    """The small CNN's conv block with GroupNorm (8 groups) in place of BatchNorm: no running statistics,
-    so nothing label-skewed is averaged and training and evaluation normalise alike."""
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False),
-        torch.nn.GroupNorm(8, out_channels),
-        torch.nn.ReLU(inplace=True),
-    )
-
-
-def after_warmup(decay: Callable[[int, int], float]):
-    """A FedNCA-ML lr multiplier with the default schedule's warm-up ((s+1)/warmup) and `decay(s, n)` after it,
-    s the step counted from the warm-up's end and n the steps after the warm-up; 0 from `total_steps` on."""
-    def factor(global_step: int, warmup_steps: int, total_steps: int) -> float:
-        if global_step >= total_steps:
-            return 0.0
-        if global_step < warmup_steps:
-            return (global_step + 1) / warmup_steps
-        return decay(global_step - warmup_steps, total_steps - warmup_steps)
-    return factor
-
-
-def hold_then_decay(decay_share: float):
-    """The FedNCA-ML lr multiplier with the peak held after the warm-up and the linear decay to 0 over only
-    the last `decay_share` of the post-warm-up steps (1.0 is the default schedule)."""
-    return after_warmup(lambda step, steps: min(1.0, (steps - step) / max(1, round(decay_share * steps))))
-
-
-def with_fednca_schedule(make_optimizer: Callable[[list[dict], float, tuple[float, float]], torch.optim.Optimizer]):
-    """FedNCA-ML's optimiser builder (its parameter groups, weight decay and lr schedule) with
-    `make_optimizer(adamw_param_groups, lr, betas)` in place of AdamW, at the sites and in the bound alike."""
-
-    def build(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, **schedule):
-        adamw, scheduler = fednca_model.fednca_optimizer(model, lr=lr, betas=betas, weight_decay=weight_decay, **schedule)
-        optimizer = make_optimizer(adamw.param_groups, lr, betas)
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
-
-    return build
-
-
-# `bench.local-sgd`: SGD (momentum 0.9, weight decay 5e-4 on the parameters AdamW decays: coupled L2 at an SGD lr
-# would be ~20x AdamW's 0.01); `fednca.lr` is then the SGD learning rate.
-sgd_with_fednca_schedule = with_fednca_schedule(lambda groups, lr, betas: torch.optim.SGD(
-    [{"params": group["params"], "weight_decay": 5e-4 if group["weight_decay"] else 0.0} for group in groups],
-    lr=lr, momentum=0.9))
-
-
-class BlockAdamW(torch.optim.Optimizer):
-    """AdamW whose second moment is one number per block of weights instead of one per weight (Adam-mini's
-    partition, Zhang et al. 2024, arXiv:2406.16793, simplified): a block is an output row of a weight with two or
-    more dimensions (a conv filter, a linear or attention projection's row) or a whole vector or scalar. A fresh
-    AdamW's first steps move every weight by about the lr, sign(g), because its per-weight second moment has seen
-    one gradient; a block's mean squared gradient is measured over the block's weights from the first step on, so
-    a restarted optimiser's first steps already scale with the gradient."""
-
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-
-    @staticmethod
-    def block_mean_square(gradient: torch.Tensor) -> torch.Tensor:
-        if gradient.dim() >= 2:
-            return (gradient * gradient).mean(dim=tuple(range(1, gradient.dim())), keepdim=True)
-        return (gradient * gradient).mean()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(self.block_mean_square(p)))
-                state["step"] += 1
-                t = state["step"]
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                state["exp_avg"].lerp_(p.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).add_(self.block_mean_square(p.grad), alpha=1 - beta2)
-                denominator = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt().add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denominator.expand_as(p), value=-group["lr"] / (1 - beta1**t))
-
-
-# `bench.block-second-moment`: BlockAdamW with AdamW's parameter groups.
-block_adamw_with_fednca_schedule = with_fednca_schedule(lambda groups, lr, betas: BlockAdamW(
-    [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in groups], lr=lr, betas=betas))
-
-
-# `bench.cosine-decay`: the same warm-up, then a cosine decay to 0 in place of the linear one.
-warmup_then_cosine = after_warmup(lambda step, steps: 0.5 * (1 + math.cos(math.pi * step / steps)))
-
-
-def scaled_query_forward(scale: float):
-    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
-        queries = (scale * ladm.queries).unsqueeze(0).expand(tokens.shape[0], -1, -1)
-        return ladm.attention(queries, tokens, tokens, need_weights=False)[0]
-
-    return forward
-
-
-def value_keyed_forward(temperature: float):
-    """`bench.value-keyed-attention`: one attention whose keys are its values. Each token goes through the
-    value and output projections; a class's attention over the tokens is the softmax of temperature x the dot
-    product of the token with the class's fixed prototype (its query), so a class attends to the tokens that already
-    read as that class, and its feature is their weighted mean. The query and key projections go unused. With every
-    class's scores alike this is the average pool; it needs no symmetry between classes broken to leave it."""
-
-    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
-        attention, dim = ladm.attention, tokens.shape[-1]
-        values = F.linear(tokens, attention.in_proj_weight[2 * dim:], attention.in_proj_bias[2 * dim:])
-        token_features = attention.out_proj(values)
-        scores = temperature * torch.einsum("kd,bnd->bkn", ladm.queries, token_features)
-        return torch.softmax(scores, dim=-1) @ token_features
-
-    return forward
-
-
-def normalised_token_forward(over: str):
-    """`bench.token-norm`: the LADM on tokens normalised to zero mean and unit variance, without an affine part,
-    over their channels ("channels": a transformer's pre-attention LayerNorm) or per channel over the image's
-    positions ("positions": an InstanceNorm of the feature map). Over positions, every image's mean token is 0, so
-    an attention that weighs all tokens alike reads nothing: there is no pooled read-out to learn first, and the
-    classes must attend to their own tokens from the first step."""
-    dim = {"channels": -1, "positions": -2}[over]
-
-    def forward(ladm: fednca_model.LADM, tokens: torch.Tensor) -> torch.Tensor:
-        tokens = (tokens - tokens.mean(dim, keepdim=True)) / torch.sqrt(tokens.var(dim, unbiased=False, keepdim=True) + 1e-5)
-        queries = ladm.queries.unsqueeze(0).expand(tokens.shape[0], -1, -1)
-        return ladm.attention(queries, tokens, tokens, need_weights=False)[0]
-
-    return forward
-
-
-def clear_dataset_caches() -> None:
-    """Forget the data sets and partitions loaded so far (a `bench.train-images` trial draws another set)."""
-    site_data._load_task_dataset.cache_clear()
-    site_data._load_partition.cache_clear()
-
-
-def adamw_with_eps(build_optimizer, eps: float):
-    """FedNCA-ML's optimiser builder with AdamW's epsilon set to `eps`."""
-
-    def build(*args, **kwargs):
-        optimizer, scheduler = build_optimizer(*args, **kwargs)
-        for group in optimizer.param_groups:
-            group["eps"] = eps
-        return optimizer, scheduler
-
-    return build
-
-
-def backbone_lr_scaled(build_optimizer, scale: float):
-    """FedNCA-ML's optimiser builder with the backbone's parameters at `scale` times the lr (0: held fixed,
-    AdamW's decoupled weight decay included, while its BatchNorm statistics still follow the data), the same
-    schedule."""
-
-    def build(model, **kwargs):
-        optimizer, scheduler = build_optimizer(model, **kwargs)
-        backbone = {id(p) for p in model.backbone.parameters()}
-        # From each group's base lr (its "initial_lr"): its "lr" already holds the schedule's first factor, which
-        # the new scheduler applies again.
-        groups = [{**group, "params": params, "lr": group["initial_lr"] * (scale if in_backbone else 1.0)}
-                  for group in optimizer.param_groups for in_backbone in (True, False)
-                  if (params := [p for p in group["params"] if (id(p) in backbone) == in_backbone])]
-        for group in groups:
-            del group["initial_lr"]
-        scaled = type(optimizer)(groups)
-        return scaled, torch.optim.lr_scheduler.LambdaLR(scaled, scheduler.lr_lambdas[0])
-
-    return build
-
-
-@contextlib.contextmanager
-def bench_options(options: dict):
-    """Ablations that are not run-config keys: `bench.norm = "group"` swaps the small CNN's BatchNorm,
-    `bench.decay-share` holds the peak lr and decays over that share of the schedule only, `bench.train-images`
-    draws a generated data set with that many training images instead of its default, `bench.width` sets the
-    small CNN's first-stage channels (32; the later stages have twice as many), `bench.query-scale` multiplies
-    the LADM's fixed queries (unit ETF prototypes) before their projection, so the attention's initial scores
-    are that many times larger; `bench.server-lr` scales the averaged change to the trainable weights (FedOpt's
-    server learning rate on FedAvg; BatchNorm statistics take the average); `bench.optimizer-reset-steps`
-    restarts the centralised bound's AdamW every that many steps, as the sites' AdamW restarts each round
-    (`bench.first-moment-reset`: only its first moment); `bench.average-optimizer-state` ("both" or
-    "second-moment", with fednca.keep-optimizer-state) has the server average the sites' kept AdamW state;
-    `bench.moment-warm-start` sets every fresh AdamW's moments from one gradient pass over the round's batches
-    (`warm_start_adam`; for the bound, at each of its restarts); `bench.adam-eps` sets AdamW's epsilon (1e-8), so
-    a fresh optimiser's first steps move weights with gradients far below it by less than the learning rate;
-    `bench.server-adam-tau` sets FedAdam's tau (Reddi et al.'s 1e-3); `bench.cosine-decay` decays the lr along a
-    cosine instead of linearly after the warm-up; `bench.etf-scale` sets the learned ETF logit scale's initial
-    value (10); `bench.first-moment-bias-restart` restarts AdamW's first-moment bias correction where its first
-    moment is zeroed and its step count kept (with `bench.first-moment-reset` in the bound, with
-    `bench.average-optimizer-state = "second-moment"` at the sites; `FirstMomentBiasRestart`); `bench.mime-lite`
-    ("batch-squares" or "mean-gradient") trains the sites on AdamW moments the server holds and updates once a
-    round from gradients at the global weights (`MimeLite`; `bench.mime-round-betas`: with AdamW's betas to the
-    power of a round's local steps); `bench.block-second-moment` replaces AdamW by `BlockAdamW` (one second moment
-    per block of weights) at the sites and in the bound; `bench.proximal-mu` adds FedProx's proximal term to a
-    FedNCA-ML site's loss; `bench.shared-state-from-round` (with `bench.average-optimizer-state`) restarts the
-    sites' AdamW every round before that round, so the shared state only starts once the model has left its
-    first plateau; `bench.epoch-split = k` trains each site on a k-th of an epoch per round (`epoch_part`), so
-    k rounds are one local epoch: k times as many averages for the same passes; `bench.pooled-sites = n` runs the
-    federated code path with n sites that each hold every n-th site's images (`pooled_sites`);
-    `bench.start-from-bound-epoch = k` trains the bound's first k epochs and hands its model to the trial's method
-    for the run's remaining rounds, its schedule going on from there (`run_trial`; with `bench.head-start-keeps =
-    "backbone"` only its backbone, the rest as the run started it); `bench.cyclic-start = k` does the
-    same with k passes of cyclic weight transfer over the sites (`SiteCycle`) instead of the bound's epochs;
-    `bench.value-keyed-attention = t` has each class attend to the tokens that score as it, at temperature t
-    (`value_keyed_forward`); `bench.token-norm` ("channels" or "positions") normalises the tokens before the
-    LADM (`normalised_token_forward`); `bench.backbone-lr-scale` trains the backbone at that multiple of the lr
-    (`backbone_lr_scaled`); `bench.sam-rho` makes every step sharpness-aware (`sharpness_aware`);
-    `bench.control-variates` corrects a FedNCA-ML site's gradients for its drift by last round's controls
-    (`ControlVariates`)."""
-    valid = {"bench.norm", "bench.server-momentum", "bench.decay-share", "bench.train-images", "bench.width",
-             "bench.server-adam-lr", "bench.local-sgd", "bench.query-scale", "bench.server-lr",
-             "bench.optimizer-reset-steps", "bench.average-optimizer-state", "bench.first-moment-reset",
-             "bench.moment-warm-start", "bench.adam-eps", "bench.server-adam-tau", "bench.cosine-decay",
-             "bench.etf-scale", "bench.first-moment-bias-restart", "bench.mime-lite", "bench.mime-round-betas",
-             "bench.block-second-moment", "bench.proximal-mu", "bench.shared-state-from-round", "bench.epoch-split",
-             "bench.pooled-sites", "bench.start-from-bound-epoch", "bench.cyclic-start",
-             "bench.value-keyed-attention", "bench.token-norm", "bench.head-start-keeps", "bench.backbone-lr-scale",
-             "bench.sam-rho", "bench.control-variates"}
-    if set(options) - valid:
-        raise ValueError(f"unknown bench options {sorted(set(options) - valid)}; valid: {sorted(valid)}")
-    if options.get("bench.first-moment-bias-restart") and not (
-            options.get("bench.first-moment-reset") and not options.get("bench.moment-warm-start")
-            or options.get("bench.average-optimizer-state") == "second-moment"):
-        raise ValueError("bench.first-moment-bias-restart restarts the bias correction of a zeroed first moment: give it with "
-                         "bench.first-moment-reset (without bench.moment-warm-start) or with "
-                         "bench.average-optimizer-state = 'second-moment'")
-    if "bench.shared-state-from-round" in options and not options.get("bench.average-optimizer-state"):
-        raise ValueError("bench.shared-state-from-round says from which round the sites share their averaged AdamW state: "
-                         "give it with bench.average-optimizer-state")
-    if options.get("bench.mime-lite") and options.get("bench.moment-warm-start"):
-        raise ValueError("bench.mime-lite sets every local step's AdamW moments from the server's; it does not combine "
-                         "with bench.moment-warm-start")
-    pooled = options.get("bench.pooled-sites", 1)
-    if isinstance(pooled, bool) or not isinstance(pooled, int) or not 1 <= pooled <= NUM_SITES:
-        raise ValueError(f"bench.pooled-sites is the number of sites the {NUM_SITES} sites' images are pooled into, "
-                         f"an int from 1 to {NUM_SITES}; got {pooled!r}")
-    if sum(key in options for key in ("bench.query-scale", "bench.token-norm", "bench.value-keyed-attention")) > 1:
-        raise ValueError("bench options bench.query-scale, bench.token-norm and bench.value-keyed-attention each replace "
-                         "the LADM's forward; give one of them")
-    if options.get("bench.token-norm", "channels") not in ("channels", "positions"):
-        raise ValueError(f"bench.token-norm is 'channels' or 'positions'; got {options['bench.token-norm']!r}")
-    if "bench.decay-share" in options and options.get("bench.cosine-decay"):
-        raise ValueError("bench options bench.decay-share and bench.cosine-decay both set the decay after the "
-                         "warm-up; give one of them")
-    original_block, original_factor = backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor
-    original_loader, original_cnn = sources.load_synthetic, backbones.SmallCNN
-    original_optimizer, original_ladm_forward = client_tasks.fednca_optimizer, fednca_model.LADM.forward
-    original_train_local, original_etf_classifier = client_tasks.train_local, fednca_model.ETFClassifier
-    original_local_optimisation = client_tasks.local_optimisation
-    if "bench.sam-rho" in options:
-        # The sites build their optimisation in client_tasks, the bound here: both take the sharpness-aware loss.
-        global local_optimisation
-        client_tasks.local_optimisation = local_optimisation = sharpness_aware_optimisation(
-            original_local_optimisation, options["bench.sam-rho"])
-    if options.get("bench.average-optimizer-state") == "second-moment" and options.get("bench.first-moment-bias-restart"):
-        client_tasks.local_optimisation = first_moment_bias_restarted(original_local_optimisation)
-    if "bench.etf-scale" in options:
-        fednca_model.ETFClassifier = functools.partial(original_etf_classifier, initial_scale=options["bench.etf-scale"])
-    if options.get("bench.moment-warm-start"):
-        client_tasks.train_local = warm_started_train_local
-    if "bench.query-scale" in options:
-        fednca_model.LADM.forward = scaled_query_forward(options["bench.query-scale"])
-    if "bench.token-norm" in options:
-        fednca_model.LADM.forward = normalised_token_forward(options["bench.token-norm"])
-    if "bench.value-keyed-attention" in options:
-        fednca_model.LADM.forward = value_keyed_forward(options["bench.value-keyed-attention"])
-    if options.get("bench.local-sgd"):
-        client_tasks.fednca_optimizer = sgd_with_fednca_schedule
-    if options.get("bench.block-second-moment"):
-        client_tasks.fednca_optimizer = block_adamw_with_fednca_schedule
-    if "bench.adam-eps" in options:
-        client_tasks.fednca_optimizer = adamw_with_eps(original_optimizer, options["bench.adam-eps"])
-    if "bench.backbone-lr-scale" in options:
-        client_tasks.fednca_optimizer = backbone_lr_scaled(client_tasks.fednca_optimizer, options["bench.backbone-lr-scale"])
-    if "bench.width" in options:
-        backbones.SmallCNN = functools.partial(original_cnn, width=options["bench.width"])
-    if "bench.train-images" in options:
-        sizes = (options["bench.train-images"], synthetic.SPLIT_SIZES[1])
-        sources.load_synthetic = functools.partial(original_loader, sizes=sizes)  # where load_source looks it up
-    clear_dataset_caches()
-    if options.get("bench.norm") == "group":
-        backbones.conv_bn_relu = group_norm_block
-    if "bench.decay-share" in options:
-        fednca_model.linear_warmup_decay_factor = hold_then_decay(options["bench.decay-share"])
-    if options.get("bench.cosine-decay"):
-        fednca_model.linear_warmup_decay_factor = warmup_then_cosine
-    try:
-        yield
-    finally:
-        backbones.conv_bn_relu, fednca_model.linear_warmup_decay_factor = original_block, original_factor
-        sources.load_synthetic, backbones.SmallCNN = original_loader, original_cnn
-        client_tasks.fednca_optimizer, fednca_model.LADM.forward = original_optimizer, original_ladm_forward
-        client_tasks.train_local, fednca_model.ETFClassifier = original_train_local, original_etf_classifier
-        client_tasks.local_optimisation = original_local_optimisation
-        globals()["local_optimisation"] = original_local_optimisation
-        clear_dataset_caches()
-
-
 def cached_fractal_pretrain(cache_dir: Path) -> Callable:
     """`fractal_pretrain`, its backbone kept in `cache_dir` under a digest of everything it reads: the backbone's
     weights, the global torch RNG state (its discarded head's initialisation draws from it), its arguments and the
@@ -1474,34 +804,44 @@ def cached_fractal_pretrain(cache_dir: Path) -> Callable:
     return pretrain
 
 
+
+def retired_options(overrides: dict) -> list[str]:
+    """The trial's `bench.*` overrides that no longer run (the module's docstring)."""
+    return sorted(k for k in overrides if k.startswith("bench.") and k not in BENCH_OPTIONS)
+
+
+def checked_options(options: dict) -> dict:
+    """`options` (the trial's `bench.*` overrides) when every one of them runs and holds a valid value."""
+    retired = retired_options(options)
+    if retired:
+        raise ValueError(f"bench options {retired} were ablations of this harness's former re-implementation of the "
+                         "federation and no longer run (their recorded results stay in bench/results); the options a "
+                         f"trial may give are {list(BENCH_OPTIONS)}")
+    for key, most in (("bench.pooled-sites", NUM_SITES), ("bench.epoch-split", None)):
+        value = options.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+            valid = f"an int from 1 to {most}" if most else "an int of at least 1"
+            raise ValueError(f"{key} is {valid}; got {value!r}")
+    return options
+
+
 def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
     """Train one method as configured; validation and test metrics after the last round."""
-    if "bench.start-from-bound-epoch" in options and "bench.cyclic-start" in options:
-        raise ValueError("bench.start-from-bound-epoch and bench.cyclic-start both give the run a head start; give one")
-    if "bench.head-start-keeps" in options and (options["bench.head-start-keeps"] != "backbone"
-                                                or "bench.start-from-bound-epoch" not in options):
-        raise ValueError("bench.head-start-keeps = 'backbone' hands over only the bound's backbone after its head start: "
-                         f"give it with bench.start-from-bound-epoch; got {options['bench.head-start-keeps']!r}")
-    if options.get("bench.control-variates", True) is not True:
-        raise ValueError(f"bench.control-variates is true (controls from the last round's steps; those measured at each "
-                         f"round's global weights are fednca.control-variates); got {options['bench.control-variates']!r}")
-    if options.get("bench.control-variates") and cfg.method != "fednca":
-        raise ValueError(f"bench.control-variates corrects FedNCA-ML's sites; method {cfg.method} does not take it")
-    cyclic = "bench.cyclic-start" in options
-    key = "bench.cyclic-start" if cyclic else "bench.start-from-bound-epoch"
-    start = options.get(key, 0)
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < cfg.num_server_rounds:
-        raise ValueError(f"{key} is how many of the run's {cfg.num_server_rounds} epochs a head start takes before the "
-                         f"method takes over, an int from 1 to {cfg.num_server_rounds - 1}; got {start!r}")
+    checked_options(options)
+    centralized = method_of(cfg).family == "centralized"
+    if centralized and "bench.epoch-split" in options:
+        raise ValueError("bench.epoch-split cuts a site's epoch into rounds; the centralised bound has no sites")
     sites = [subsample(simulated_site(cfg, k, NUM_SITES), fraction, cfg.seed) for k in range(NUM_SITES)]
     if "bench.pooled-sites" in options:
         sites = pooled_sites(sites, options["bench.pooled-sites"])
     data = load_task_dataset(cfg)
+    # Flower's strategies sample the round's nodes with Python's `random`, which sets the order its float32 average
+    # sums the replies in: seeded, a trial reproduces to the bit.
+    random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     etf = server_etf(cfg, data.num_classes, data.image_shape) if cfg.fednca_model else None
-    with mock.patch.object(model_build, "fractal_pretrain", cached_fractal_pretrain(FRACTAL_CACHE)):
-        model = start_backbone(cfg, build_model(cfg, data.num_classes, data.image_shape, etf=etf), data.image_shape)
-    initial = copy.deepcopy(model.state_dict()) if "bench.head-start-keeps" in options else None
+    model = start_backbone(cfg, build_model(cfg, data.num_classes, data.image_shape, etf=etf), data.image_shape,
+                           pretrain=cached_fractal_pretrain(FRACTAL_CACHE))
     val_images = np.concatenate([s.val_images for s in sites])
     val_labels = np.concatenate([s.val_labels for s in sites])
 
@@ -1513,25 +853,8 @@ def run_trial(cfg: RunConfig, fraction: float, options: dict) -> dict:
             measures["class_feature_cosine"] = class_feature_cosine(trained, val_images)
         return measures
 
-    # A head start: the bound's first epochs (or as many passes of cyclic weight transfer), whose model the method
-    # then trains for the rest of the run, so each side's share of the gap before and after that point can be told apart.
-    head = (train_trial(cfg.model_copy(update={"method": "centralized"}), sites, model, etf, probe,
-                        rounds=range(1, start + 1), cyclic=cyclic)
-            if start else {"val_auc_by_round": [], "train_loss_by_round": []})
-    if options.get("bench.head-start-keeps") == "backbone":  # everything after the backbone as the run started it
-        model.load_state_dict({name: tensor if name.startswith("backbone.") else initial[name]
-                               for name, tensor in model.state_dict().items()})
-    trace = train_trial(cfg, sites, model, etf, probe, options.get("bench.server-momentum", 0.0),
-                        options.get("bench.server-adam-lr", 0.0), options.get("bench.server-lr", 1.0),
-                        options.get("bench.optimizer-reset-steps", 0), options.get("bench.average-optimizer-state", ""),
-                        options.get("bench.first-moment-reset", False), options.get("bench.moment-warm-start", False),
-                        options.get("bench.server-adam-tau", 1e-3), options.get("bench.first-moment-bias-restart", False),
-                        options.get("bench.mime-lite", ""), options.get("bench.mime-round-betas", False),
-                        options.get("bench.proximal-mu", 0.0), options.get("bench.shared-state-from-round", 1),
-                        options.get("bench.epoch-split", 1), rounds=range(start + 1, cfg.num_server_rounds + 1),
-                        control_variates=ControlVariates() if options.get("bench.control-variates") else None)
-    for curve in [name for name, values in trace.items() if name.endswith("_by_round") and isinstance(values, list)]:
-        trace[curve] = head.get(curve, []) + trace[curve]
+    trace = (train_centralized_trial(cfg, sites, model, probe) if centralized
+             else train_federated_trial(cfg, sites, model, etf, probe, options.get("bench.epoch-split", 1)))
     return {**diagnose(model, sites, data, cfg), **trace}
 
 
@@ -1763,14 +1086,22 @@ def run_missing_trials(args, seed: int, dataset: str, wanted: set[str] | None, l
     for name, method, overrides in TRIALS + [(name, *trial) for name, trial in TABLE_TRIALS.items()]:
         if (wanted and name not in wanted) or (name, dataset) in done_trials(log, seed):
             continue
+        if retired_options(overrides):  # history: a finished one is skipped above, an unfinished one cannot run
+            if wanted:
+                raise SystemExit(f"--trials names {name}, not finished in {log} on {dataset} (seed {seed}), whose bench "
+                                 f"options {retired_options(overrides)} no longer run (this harness's former "
+                                 f"ablations; their recorded results stay in bench/results): a trial may give only "
+                                 f"{', '.join(BENCH_OPTIONS)}")
+            continue
         start = time.process_time()
         cfg = trial_config(dataset, method, overrides, args, seed)
         options = {k: v for k, v in overrides.items() if k.startswith("bench.")}
-        with bench_options(options):
-            try:
-                scores = run_trial(cfg, args.site_fraction, options)
-            except FloatingPointError as diverged:  # a setting that diverges is a result (F1 0: nothing predicted)
-                scores = {"diverged": str(diverged), "val": 0.0, "test": 0.0}
+        try:
+            scores = run_trial(cfg, args.site_fraction, options)
+        # A setting that diverges is a result (F1 0: nothing predicted): the global weights turned non-finite, or
+        # the strategy refused the sites' non-finite updates until too few were left to average.
+        except (FloatingPointError, TooFewSites) as diverged:
+            scores = {"diverged": str(diverged), "val": 0.0, "test": 0.0}
         row = {"trial": name, "dataset": dataset, "method": method, "overrides": overrides, **scores,
                "rounds": cfg.num_server_rounds, "local_epochs": cfg.local_epochs, "site_fraction": args.site_fraction,
                "seed": seed, "cpu_seconds": round(time.process_time() - start, 1)}

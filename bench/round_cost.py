@@ -21,6 +21,7 @@ from bench.compare import parse_run_config
 from fedskew.client_tasks import train_site
 from fedskew.config import RunConfig
 from fedskew.data.sites import simulated_site
+from fedskew.methods import method_of
 from fedskew.models.build import build_model, server_etf
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = RunConfig.from_run_config({**shared, "method": method})
         site = simulated_site(cfg, args.site, args.num_sites)
         shape = site.train_images.shape[1:]
-        etf = server_etf(cfg, site.num_classes, shape) if method == "fednca" else None
+        etf = server_etf(cfg, site.num_classes, shape) if method_of(cfg).server_etf else None
         torch.manual_seed(cfg.seed)
         state = build_model(cfg, site.num_classes, shape, etf=etf).state_dict()
         jobs[method] = (cfg, site, state, None if etf is None else etf.numpy())
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     for repeat in range(args.repeats):
         for method, (cfg, site, state, etf) in jobs.items():
             start = time.perf_counter()
-            train_site(cfg, site, state, server_round=2, proximal_mu=cfg.proximal_mu if method == "fedprox" else 0.0, etf=etf)
+            train_site(cfg, site, state, server_round=2, proximal_mu=cfg.proximal_mu if method_of(cfg).proximal else 0.0, etf=etf)
             seconds[method].append(time.perf_counter() - start)
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{m} {s[-1]:.2f}s" for m, s in seconds.items()), flush=True)
 
