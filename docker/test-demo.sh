@@ -2,24 +2,24 @@
 # The docker-compose demo, for real, on one host: one coordinating centre (docker/server.yml) and three
 # hospital sites (docker/site.yml, one compose project each) with TLS, SuperNode authentication, the fleet
 # proxy and app signing. It registers the sites, runs a 2-round FedNCA-ML and a tiny FederatedFactory run
-# of the signed app to finished:completed with results written, shows that a site cannot use the Control
-# API and that every site refuses an unsigned app, then tears everything down (images are kept).
+# of the signed app to finished:completed with results written, shows that neither a site nor a non-root
+# account of the host can reach the Control API (the operator's flwr commands run in server.yml's `operator`
+# service) and that every site refuses an unsigned app, then tears everything down (images are kept).
 #
 # Usage (as root, from anywhere):  bash docker/test-demo.sh
 # Needs: python3 with this project and flwr installed (pip install -e .), openssl, ssh-keygen. Installs and
 # starts Docker (Debian's docker.io, docker-compose) when absent. Where Docker Hub cannot be reached it
 # builds LOCAL STAND-INS for flwr/superlink, flwr/supernode and flwr/superexec (docker/standins/Dockerfile)
 # on a Debian base made with debootstrap. Each step prints its duration; a failure names the step.
-# Environment: FLEET_PORT (9443), CONTROL_PORT (9093), DEMO_KEEP=1 keeps the work folder.
+# Environment: FLEET_PORT (9443), DEMO_KEEP=1 keeps the work folder.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 export FLWR_VERSION=${FLWR_VERSION:-$(python3 -c "import flwr; print(flwr.__version__)")}
-export FLEET_PORT=${FLEET_PORT:-9443} CONTROL_PORT=${CONTROL_PORT:-9093}
+export FLEET_PORT=${FLEET_PORT:-9443}
 export FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0 COMPOSE_HTTP_TIMEOUT=300
 WORK=$(mktemp -d /tmp/fedskew-demo.XXXXXX)
-export FLWR_HOME=$WORK/flwr-home  # the operator's flwr CLI
 SERVER=fedskew-demo-server
 SITE_IDS=(0 1 2)
 BASE_IMAGE=fedskew/debian-bookworm:base
@@ -46,6 +46,11 @@ run_step() {
 }
 
 compose_server() { docker-compose -p "$SERVER" -f docker/server.yml "$@"; }
+# The operator's flwr CLI: server.yml's `operator` service on the centre's private network, working in
+# OPERATOR_DIR (default: the work folder, for keys/*.pub) as this user, so that it reads this user's files.
+operator() {
+  OPERATOR_DIR=${OPERATOR_DIR:-$WORK} OPERATOR_USER="$(id -u):$(id -g)" compose_server run --rm -T operator flwr "$@"
+}
 compose_site() { local k=$1; shift; site_env "$k"; docker-compose -p "fedskew-demo-site-$k" -f docker/site.yml "$@"; }
 site_env() {
   export SUPERLINK_ADDRESS="$HOST_IP:$FLEET_PORT" SITE_KEY="$WORK/keys/site-$1" CA_CERT="$WORK/certs/ca.crt"
@@ -167,44 +172,38 @@ pki_and_data() {
   mv "$WORK/factory/server-test" "$WORK/server-test/factory"
   python3 -m fedskew.cli sign-app "$REPO" --key "$WORK/app-key/app-signing" --index "$WORK/app-index"
   APP_SPEC=$(python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); print(f\"@{p['tool']['flwr']['app']['publisher']}/{p['project']['name']}=={p['project']['version']}\")")
-  # The operator's connection: the SuperLink's own port on this host; Flower wants an absolute CA path.
-  write_connection "$FLWR_HOME" "127.0.0.1:$CONTROL_PORT"
-  # A site's view: the fleet proxy, with the CA certificate only.
-  write_connection "$WORK/site-home" "$HOST_IP:$FLEET_PORT"
-}
-
-write_connection() {  # FLWR_HOME, address: a config.toml whose default connection uses TLS with the demo's CA
-  mkdir -p "$1"
+  # A site's view: the fleet proxy, with the CA certificate only (Flower wants its absolute path).
+  mkdir -p "$WORK/site-home"
   python3 -c "import sys; from fedskew.testing.deploy import connection_toml; print(connection_toml(*sys.argv[1:]), end='')" \
-    fedskew-demo "$2" "$WORK/certs/ca.crt" >"$1/config.toml"
+    fedskew "$HOST_IP:$FLEET_PORT" "$WORK/certs/ca.crt" >"$WORK/site-home/config.toml"
 }
 
 server_up() {
   server_env
   compose_server up -d
-  for _ in $(seq 120); do flwr ls fedskew-demo >/dev/null 2>&1 && return 0; sleep 1; done
-  fail "the SuperLink's Control API did not answer at 127.0.0.1:$CONTROL_PORT"
+  for _ in $(seq 60); do operator ls >/dev/null 2>&1 && return 0; sleep 2; done
+  fail "the SuperLink's Control API did not answer the operator service: $(operator ls 2>&1 | tail -5)"
 }
 
 register_sites() {
-  for k in "${SITE_IDS[@]}"; do flwr supernode register "$WORK/keys/site-$k.pub" fedskew-demo; done
+  for k in "${SITE_IDS[@]}"; do operator supernode register "keys/site-$k.pub"; done
 }
 
 online_sites() {
-  flwr supernode list fedskew-demo --format json |
+  operator supernode list --format json |
     python3 -c "import json, sys; print(sum(n['status'] == 'online' for n in json.load(sys.stdin)['nodes']))"
 }
 
 sites_up() {
   SITE_DATASET=$1
   for k in "${SITE_IDS[@]}"; do compose_site "$k" up -d; done
-  for _ in $(seq 180); do [ "$(online_sites)" = "${#SITE_IDS[@]}" ] && return 0; sleep 1; done
+  for _ in $(seq 90); do [ "$(online_sites)" = "${#SITE_IDS[@]}" ] && return 0; sleep 2; done
   fail "only $(online_sites) of ${#SITE_IDS[@]} SuperNodes online"
 }
 
 site_position_refused() {
   local out
-  for args in "ls fedskew-demo" "supernode register $WORK/keys/site-0.pub fedskew-demo" "run $REPO fedskew-demo"; do
+  for args in "ls fedskew" "supernode register $WORK/keys/site-0.pub fedskew" "run $REPO fedskew"; do
     # shellcheck disable=SC2086
     if out=$(FLWR_HOME=$WORK/site-home flwr $args 2>&1); then fail "a site could run 'flwr $args': $out"; fi
     grep -q "403 Forbidden" <<<"$out" || fail "'flwr $args' from a site failed, but not with 403: $out"
@@ -212,28 +211,62 @@ site_position_refused() {
   log "a site's flwr ls / supernode register / run: 403 Forbidden from the fleet proxy"
 }
 
+control_call() {  # folder, IP, port: as user nobody, with the CA certificate in folder, a Control API call to
+  # the server certificate's name `superlink` at IP:port; prints the HTTP status (000: no HTTP answer). Any HTTP
+  # status from a SuperLink means its Control API was reached.
+  runuser -u nobody -- curl -sS -o /dev/null -w '%{http_code}' --max-time 10 --http2 --cacert "$1/ca.crt" \
+    --resolve "superlink:$3:$2" -X POST -H 'content-type: application/grpc' \
+    "https://superlink:$3/flwr.proto.Control/ListRuns" 2>>"$1/curl.log" || true
+}
+
+local_user_refused() {
+  local published superlink_ip code nobody state
+  # Only the fleet proxy's port is published on the host.
+  published=$(docker ps --filter "label=com.docker.compose.project=$SERVER" --format '{{.Names}} {{.Ports}}' | grep -- '->' || true)
+  [ "$(wc -l <<<"$published")" = 1 ] && grep -q "fleet-proxy.*:$FLEET_PORT->9443/tcp" <<<"$published" \
+    || fail "the centre publishes more than the fleet proxy's port $FLEET_PORT: $published"
+  nobody=$(mktemp -d /tmp/fedskew-demo-nobody.XXXXXX)  # what user nobody holds: the CA certificate
+  chmod 755 "$nobody" && install -m 644 "$WORK/certs/ca.crt" "$nobody/ca.crt" && install -m 666 /dev/null "$nobody/curl.log"
+  # The call reaches what is reachable: the fleet proxy answers it with its 403.
+  code=$(control_call "$nobody" "$HOST_IP" "$FLEET_PORT")
+  [ "$code" = 403 ] || fail "user nobody's call through the fleet proxy got $code, not 403: $(cat "$nobody/curl.log")"
+  superlink_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$(compose_server ps -q superlink)")
+  for address in "127.0.0.1 9093" "$superlink_ip 8000"; do
+    # shellcheck disable=SC2086  # IP and port
+    code=$(control_call "$nobody" $address)
+    [ "$code" = 000 ] || fail "user nobody reached the SuperLink's Control API at $address (HTTP $code)"
+  done
+  # The SuperLink runs as the Flower images' user, its state theirs alone.
+  state=$(compose_server exec -T superlink sh -c 'id -u; stat -c "%a %u" /app/state' | tr '\n' ' ')
+  [ "$state" = "49999 700 49999 " ] || fail "the SuperLink's uid, then its state folder's mode and owner: $state"
+  log "user nobody: 403 from the fleet proxy; no answer from 127.0.0.1:9093 nor from the SuperLink's container address $superlink_ip:8000 ($(grep '^curl:' "$nobody/curl.log" | sort -u | paste -sd ';'))"
+  rm -rf "$nobody"
+}
+
 run_status() {  # status and details of run $1
-  flwr ls fedskew-demo --run-id "$1" --format json |
+  operator ls --run-id "$1" --format json |
     python3 -c "import json, sys; r = json.load(sys.stdin)['runs'][0]; print(r['status']); print(r['status-details'])"
 }
 
 flwr_run() {  # app, run config: starts the run, waits until it finished; sets RUN_ID, RUN_STATUS, RUN_DETAILS
   local out status
-  out=$(flwr run "$1" fedskew-demo --run-config "$2" --format json)
+  out=$(operator run "$1" --run-config "$2" --format json)
   RUN_ID=$(python3 -c "import json, sys; print(json.loads(sys.argv[1])['run-id'])" "$out") || fail "flwr run: $out"
-  for _ in $(seq 900); do
+  for _ in $(seq 400); do
     status=$(run_status "$RUN_ID")
     case "$status" in finished:*) break ;; esac
-    sleep 2
+    sleep 3
   done
   RUN_STATUS=$(head -1 <<<"$status")
   RUN_DETAILS=$(tail -n +2 <<<"$status")
 }
 
-results_completed() {  # results sub-folder of the ServerApp's results volume
-  local summary
+results_completed() {  # results sub-folder of the ServerApp's results volume, which is its user's alone
+  local summary volume
   summary=$(compose_server exec -T superexec-serverapp sh -c "cat /app/results/$1/*/summary.json")
   grep -q '"status": "completed"' <<<"$summary" || fail "no completed summary.json under /app/results/$1: $summary"
+  volume=$(compose_server exec -T superexec-serverapp stat -c "%a %u" /app/results)
+  [ "$volume" = "700 49999" ] || fail "the results volume's mode and owner: $volume, not 700 49999"
 }
 
 fednca_run() {
@@ -258,7 +291,7 @@ factory.classifier-epochs=2 min-available-sites=3 round-timeout=1800.0 test-data
 
 unsigned_refused() {
   local refusals
-  flwr_run "$REPO" "$FACTORY_CONFIG results-dir='/app/results/unsigned'"
+  OPERATOR_DIR=$REPO flwr_run . "$FACTORY_CONFIG results-dir='/app/results/unsigned'"
   [ "$RUN_STATUS" = "finished:failed" ] || fail "the unsigned run $RUN_ID was not refused: $RUN_STATUS $RUN_DETAILS"
   refusals="every site (${#SITE_IDS[@]}) failed the survey: The FAB could not be verified. Cause: the run's app carries no signature"
   grep -qF "$refusals" <<<"$RUN_DETAILS" || fail "unsigned run $RUN_ID: not refused by every site with the cause: $RUN_DETAILS"
@@ -273,6 +306,7 @@ run_step "server up" server_up
 run_step "register 3 sites" register_sites
 run_step "3 sites up (fednca data)" sites_up fednca
 run_step "Control API refused to a site" site_position_refused
+run_step "Control API refused to local users" local_user_refused
 run_step "fednca, 2 rounds" fednca_run
 run_step "3 sites switch to factory data" sites_up factory
 run_step "factory, tiny" factory_run

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import flwr
@@ -316,6 +317,11 @@ EXECUTABLE = {"superlink": "flower-superlink", "supernode": "flower-supernode", 
 
 def compose_services(name: str, env: dict[str, str]) -> dict:
     """A compose file's services with ${VAR}, ${VAR:-default} and ${VAR:?message} filled in from `env`."""
+    return compose_file(name, env)["services"]
+
+
+def compose_file(name: str, env: dict[str, str]) -> dict:
+    """A compose file with ${VAR}, ${VAR:-default} and ${VAR:?message} filled in from `env`."""
 
     def fill(match: re.Match) -> str:
         var, op, arg = match.group(1), match.group(2), match.group(3)
@@ -325,7 +331,7 @@ def compose_services(name: str, env: dict[str, str]) -> dict:
         return arg if op == ":-" else ""
 
     text = re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", fill, (DOCKER / name).read_text())
-    return yaml.safe_load(text)["services"]
+    return yaml.safe_load(text)
 
 
 @pytest.mark.parametrize("what", COMPOSE_FILES)
@@ -424,6 +430,28 @@ def test_the_fleet_proxy_image_fills_in_every_placeholder_of_the_template():
     assert filled == placeholders
     proxy_env = compose_services("server.yml", SERVER_ENV)["fleet-proxy"]["environment"]
     assert placeholders - {"RUN_DIR"} == set(proxy_env)  # RUN_DIR is set in the image
+
+
+def test_the_centre_publishes_the_fleet_proxy_alone_and_the_control_api_only_the_operator_service_reaches():
+    """Flower 1.42's Control API has no user authentication: no port of the SuperLink on the host, and the host
+    without an address on the network it listens on; the operator's flwr a container on that network."""
+    server = compose_file("server.yml", SERVER_ENV)
+    services, networks = server["services"], server["networks"]
+    assert {name for name, spec in services.items() if spec.get("ports")} == {"fleet-proxy"}
+    assert [port.rsplit(":", 1)[1] for port in services["fleet-proxy"]["ports"]] == ["9443"]
+    private = networks["private"]
+    assert private["internal"] is True and private["driver_opts"]["com.docker.network.bridge.inhibit_ipv4"] == "true"
+    on_other_networks = {name for name, spec in services.items() if set(spec["networks"]) - {"private"}}
+    assert services["superlink"]["networks"] == ["private"] and on_other_networks == {"fleet-proxy"}
+    operator = services["operator"]
+    assert operator["profiles"] == ["operator"] and operator["entrypoint"] == [] and operator["networks"] == ["private"]
+    # Its connection: the SuperLink by its name on that network, TLS with the mounted CA certificate.
+    mounts = dict(volume.rsplit(":", 2)[:2] for volume in operator["volumes"])
+    assert mounts[f"{SERVER_ENV['CERTS_DIR']}/ca.crt"] == "/app/certificates/ca.crt"
+    home = operator["environment"]["FLWR_HOME"]
+    connections = tomllib.loads((DOCKER / "flwr-home" / "config.toml").read_text())["superlink"]
+    assert mounts["./flwr-home/config.toml"] == f"{home}/config.toml"
+    assert connections[connections["default"]] == {"address": "superlink:8000", "root-certificates": "/app/certificates/ca.crt"}
 
 
 def test_flwr_reads_the_tls_connection_the_deployment_writes(tmp_path, monkeypatch):
