@@ -92,10 +92,11 @@ def test_a_strategy_never_attached_still_refuses_an_unusable_reply_and_holds_the
 
 # --- FederatedFactory: one custom round through start, its sites answering as in tests/test_hostile.py ---------
 
-from test_hostile import CFG, SITES, TASK, ScriptedGrid, honest, impostor, survey_of  # noqa: E402, F401 - honest: a fixture
+from test_hostile import CFG, SITES, TASK, ScriptedGrid, expert_reply, honest, impostor, survey_of  # noqa: E402, F401 - honest: a fixture
 
 from fedskew.factory.classifier import build_classifier  # noqa: E402
-from fedskew.protocol import encode_modules  # noqa: E402
+from fedskew.models.ensemble import ExpertEnsemble  # noqa: E402
+from fedskew.protocol import P2P_MESSAGE, encode_modules  # noqa: E402
 from fedskew.strategies import FederatedFactory  # noqa: E402
 from fedskew.strategies.recording import TooFewSites  # noqa: E402
 from fedskew.training import evaluate  # noqa: E402
@@ -141,3 +142,29 @@ def test_federated_factory_never_attached_ends_below_its_floor_naming_the_reject
         strategy.start(grid=factory_sites(honest), initial_arrays=ArrayRecord(), num_rounds=1)
     with pytest.raises(ValueError, match="FederatedFactory runs 1 round"):
         strategy.start(grid=factory_sites(honest), initial_arrays=ArrayRecord(), num_rounds=3)
+
+
+def test_federated_factory_with_p2p_returns_the_product_of_experts_and_the_experts_mean_metrics(honest):
+    experts = {11: build_classifier("small-cnn", TASK.image_shape, TASK.num_classes, CFG.feature_side).state_dict(),
+               12: build_classifier("small-cnn", TASK.image_shape, TASK.num_classes, CFG.feature_side).state_dict()}
+
+    def answer(node, message):
+        if message.metadata.message_type == P2P_MESSAGE:  # node 11 reports loss 0.25, node 12 loss 0.5
+            return expert_reply(experts[node], {"train_loss": (node - 10) / 4, "val_accuracy": 0.5})
+        return encode_modules(*honest[SITES[node][0]])
+
+    strategy = FederatedFactory(survey_of(SITES), TASK.num_classes, TASK.image_shape, TASK.class_names, TINY_FACTORY,
+                                p2p=True, feature_side=CFG.feature_side, timeout=5, test_images=TEST_IMAGES,
+                                test_labels=TEST_LABELS)  # fmt: skip
+    result = strategy.start(grid=ScriptedGrid(answer), initial_arrays=ArrayRecord(), num_rounds=2)
+    assert strategy.report["rejected"] == [] and strategy.p2p_report["rejected"] == []
+    assert dict(result.train_metrics_clientapp[2]) == {"train_loss": 0.375, "val_accuracy": 0.5}
+    # Result.arrays is the Product of the two experts as sent, in site order; round 2's server metrics are its own.
+    sent = ExpertEnsemble([build_classifier("small-cnn", TASK.image_shape, TASK.num_classes, CFG.feature_side)
+                           for _ in experts])  # fmt: skip
+    for expert, state in zip(sent.experts, experts.values()):
+        expert.load_state_dict(state)
+    arrays = result.arrays.to_torch_state_dict()
+    assert set(arrays) == set(sent.state_dict()) and all(torch.equal(arrays[k], v) for k, v in sent.state_dict().items())
+    expected = evaluate(sent, TEST_IMAGES, TEST_LABELS, device=torch.device("cpu"))
+    assert dict(result.evaluate_metrics_serverapp[2])["accuracy"] == expected["accuracy"]

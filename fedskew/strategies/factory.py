@@ -87,7 +87,7 @@ class FederatedFactory(FactoryFlow, Strategy):
         min_sites: int = 1,
         test_images: np.ndarray | None = None,
         test_labels: np.ndarray | None = None,
-        output_dir: Path | None = None,
+        output_dir: Path | str | None = None,
     ):
         """`survey`: node id -> that node's survey reply, from which each site's identity comes: "site-id" (an int)
         and "label-counts" (its training images per class), and "val-size" (its validation images) when
@@ -105,7 +105,8 @@ class FederatedFactory(FactoryFlow, Strategy):
             raise ValueError("FederatedFactory: pass test_images and test_labels together (or neither)")
         self.num_rounds = 2 if p2p else 1
         self.device = torch.device(device)
-        self.test_images, self.test_labels, self.output_dir = test_images, test_labels, output_dir
+        self.test_images, self.test_labels = test_images, test_labels
+        self.output_dir = None if output_dir is None else Path(output_dir)
         self.library: Library | None = None
         self.p2p_report: dict = {}
         self.test_metrics: dict[int, dict] = {}  # round -> the test metrics of its model
