@@ -17,7 +17,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedskew.cli import main as cli_main
 from fedskew.config import AUTO_GUIDE_STEPS_WIDE, RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.factory.classifier import stratified_holdout
+from fedskew.factory.classifier import ClassifierRecipe, stratified_holdout
+from fedskew.factory.run import FactoryRun
+from fedskew.methods import method_of
 from fedskew.models.ensemble import LOG_PROB_FLOOR, ExpertEnsemble, product_of_experts
 from fedskew.factory.library import (
     GeneratorModule,
@@ -41,7 +43,9 @@ from fedskew.factory.site import (
     MemorizationRefusal,
     check_memorization,
     generator_config,
+    generator_payload_limit,
     guide_config,
+    guide_steps,
     memorization_share,
     p2p_samples_per_class,
     planned_modules,
@@ -393,6 +397,24 @@ def test_a_plain_factory_run_releases_only_the_survey_and_the_audit_outside_the_
     assert releases_outside_the_guarantee(cfg.factory, p2p=False) == [
         "the survey's image counts per class", "each generator's memorization share (its manifest entry)"]
 
+
+
+@pytest.mark.parametrize("keys", [
+    {"method": "factory"},
+    {"method": "factory-p2p", "factory.conditional": True},
+    {"method": "factory", "factory.generator-channels": 32},  # autoguided: guides of AUTO_GUIDE_STEPS_WIDE steps
+    {"method": "factory-p2p", "factory.generator-channels": 32},  # P2P sites draw unguided
+], ids=["factory", "p2p-conditional", "factory-wide", "p2p-wide"])  # fmt: skip
+def test_a_factory_run_gives_the_site_functions_what_its_run_config_gives(keys):
+    # fedskew's server strategy plans from a FactoryRun of the run config's values, its sites from the RunConfig:
+    # every plan, payload limit, guide and classifier recipe must be the same, or honest uploads would be refused.
+    cfg = RunConfig.from_run_config({"mosaic-grid": 0, "partition": "classes-per-site", "seed": 7, "feature-side": 4, **keys})
+    run = FactoryRun(factory=cfg.factory, seed=cfg.seed, p2p=method_of(cfg).p2p, feature_side=cfg.feature_side)
+    counts, shape = [20, 0, 30], (1, 8, 8)
+    assert planned_modules(run, 1, counts, shape) == planned_modules(cfg, 1, counts, shape)
+    assert generator_payload_limit(run, shape, 3) == generator_payload_limit(cfg, shape, 3)
+    assert guide_steps(run) == guide_steps(cfg) == (AUTO_GUIDE_STEPS_WIDE if keys == {"method": "factory", "factory.generator-channels": 32} else 0)
+    assert ClassifierRecipe.from_config(run) == ClassifierRecipe.from_config(cfg)
 
 def test_factory_methods_need_single_label_data():
     with pytest.raises(ValueError, match="single-label data"):
