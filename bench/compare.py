@@ -37,7 +37,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fedskew.config import SINGLE_LABEL_METHODS, RunConfig, current_run_config  # noqa: E402
+from fedskew.config import RunConfig, current_run_config  # noqa: E402
+from fedskew.methods import method_named  # noqa: E402
 from fedskew.client_tasks import evaluate_site, train_site  # noqa: E402
 from fedskew.data.sites import load_task_dataset, simulated_site  # noqa: E402
 from fedskew.testing.launch import ProcessTreeCPU, SimulationSuperLink  # noqa: E402
@@ -212,7 +213,7 @@ OVERHEAD_REPEATS = 3  # pairs behind the overhead figure unless --overhead-repea
 def reads_key(method: str, key: str) -> bool:
     """Whether a run of `method` depends on `key`: only FederatedFactory's methods read `factory.*`, so a
     baseline run stays reusable when a factory default changes."""
-    return not key.startswith("factory.") or method in SINGLE_LABEL_METHODS
+    return not key.startswith("factory.") or method_named(method).family == "factory"
 
 
 def completed_run(results_dir: Path, run_config: dict) -> Path | None:

@@ -66,7 +66,7 @@ from bench.compare import summarise
 from bench.site_grid import SiteGrid, server_identity
 from fedskew.config import RunConfig
 from fedskew.data.sites import SiteData, load_task_dataset, simulated_site
-from fedskew.methods import method_of
+from fedskew.methods import method_named, method_of
 from fedskew.models import fednca as fednca_model
 from fedskew.models import fractal as fractal_module
 from fedskew.models.build import build_model, server_etf, start_backbone
@@ -926,7 +926,7 @@ def report(out: Path) -> str:
                      + (f" | {mean_val:.3f} |" if complete else " | incomplete |"))
         diagnosis.append(f"| {name} | " + " | ".join(diagnosis_cell(c) if c else "-" for c in cells) + " |")
         default = [rows.get((DEFAULT_TRIAL, d)) for d in datasets]
-        if complete and "num-server-rounds" not in overrides and method == "fednca" and name != DEFAULT_TRIAL and all(
+        if complete and "num-server-rounds" not in overrides and method_named(method).fednca_model and name != DEFAULT_TRIAL and all(
             default
         ) and all(c["val"] > b["val"] for c, b in zip(cells, default)):
             better_everywhere.append(name)

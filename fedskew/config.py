@@ -22,7 +22,6 @@ from fedskew.methods import method_of, methods_where
 
 GENERATED_DATASETS = ("deformed-digits", "shapes", "shapes-multi")  # drawn by fedskew.data.synthetic
 MULTILABEL_SOURCES = ("medmnist:chestmnist", "shapes-multi")
-SINGLE_LABEL_METHODS: tuple[str, ...] = methods_where(labels="single")  # the methods that model one class per image
 LABEL_KINDS: tuple[str, ...] = ("single", "multi")
 MEDMNIST_MULTILABEL_TASK = "multi-label, binary-class"  # the `task` of medmnist's INFO entry
 # A generator that does not copy its training images scores ~0 (0.0% on every digit class in the generator

@@ -22,7 +22,7 @@ from fedskew.strategies.recording import RecordingMixin
 ROOT = Path(__file__).resolve().parents[1]
 # Where a method's name may be compared with a value: the registry itself and the run config's validation.
 ALLOWED = {ROOT / "fedskew" / "methods.py", ROOT / "fedskew" / "config.py"}
-SCANNED = ("fedskew",)
+SCANNED = ("fedskew", "bench")
 
 
 def test_every_config_method_has_exactly_one_record_and_every_record_is_a_config_method():
