@@ -90,6 +90,37 @@ def test_a_strategy_never_attached_still_refuses_an_unusable_reply_and_holds_the
             grid=ThreeSites(broken=3), initial_arrays=one_weight(0.0), num_rounds=1, timeout=5)
 
 
+
+class SitesAnsweringInOrder:
+    """Nodes 1-6, each training the sent weights into its own float32 update (magnitudes 1e-3 to 1e3, so that a
+    float32 sum depends on its order) on its own number of examples; replies come back in `order`."""
+
+    def __init__(self, order: list[int]):
+        self.order = order
+        rng = np.random.default_rng(0)
+        self.updates = {node: (rng.standard_normal(256) * 10.0 ** rng.integers(-3, 4, 256)).astype(np.float32)
+                        for node in range(1, 7)}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.order)
+
+    def send_and_receive(self, messages, timeout=None):
+        by_node = {m.metadata.dst_node_id: m for m in messages}
+        return [Message(RecordDict({"arrays": ArrayRecord({"w": Array(self.updates[node])}),
+                                    "metrics": MetricRecord({"num-examples": 10 + node})}), reply_to=by_node[node])
+                for node in self.order if node in by_node]
+
+
+def test_the_average_does_not_depend_on_the_order_the_sites_answer_in():
+    # Flower samples the nodes in a random order and sums float32 updates in the order of the replies; the same
+    # seed must give the same model whatever that order.
+    start = ArrayRecord({"w": Array(np.zeros(256, np.float32))})
+    averages = [RecordedFedAvg(fraction_evaluate=0.0).start(grid=SitesAnsweringInOrder(order), initial_arrays=start,
+                                                            num_rounds=1, timeout=5).arrays["w"].numpy()
+                for order in ([1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1], [3, 1, 6, 2, 5, 4])]
+    assert all(np.array_equal(averages[0], other) for other in averages[1:])
+
+
 # --- FederatedFactory: one custom round through start, its sites answering as in tests/test_hostile.py ---------
 
 from test_hostile import CFG, SITES, TASK, ScriptedGrid, expert_reply, honest, impostor, survey_of  # noqa: E402, F401 - honest: a fixture

@@ -128,9 +128,17 @@ class RecordingMixin:
         # are traced back to their site through the id of the message they answer.
         return str(self.destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id))
 
+    def _site_order(self, reply: Message) -> tuple[int, int]:
+        node = int(self._site_of(reply))
+        declared = (self.declared or {}).get(node)
+        return (node if declared is None else declared.site_id, node)
+
     def _count_in(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
-        """Count the replies' bytes; a site that answered with an error is recorded as dropped with the reason."""
-        replies = list(replies)
+        """Count the replies' bytes; a site that answered with an error is recorded as dropped with the reason.
+        The replies come back in the order of their sites (declared site id, else node id): Flower samples the
+        nodes in a random order and sums the float32 updates in it, so the same seed would otherwise give a
+        different average, and a different run, each time."""
+        replies = sorted(replies, key=self._site_order)
         for msg in replies:
             site = self._site_of(msg)
             self.answered.add(int(site))
