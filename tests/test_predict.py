@@ -32,6 +32,13 @@ def _fednca_file(tmp_path, shape=(1, 8, 8)):
     return model, path
 
 
+def _forged_file(tmp_path, **header):
+    """A valid FedNCA-ML model file saved again with the header fields `header` changed."""
+    _, path = _fednca_file(tmp_path)
+    card, state, etf = read_model_file(path)
+    return save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, **header), etf)
+
+
 def test_a_fednca_model_file_carries_its_etf_and_rebuilds_the_same_model(tmp_path):
     model, path = _fednca_file(tmp_path)
     loaded, card = load_model_file(path)
@@ -93,18 +100,14 @@ def test_a_factory_file_from_before_the_classifier_followed_feature_side_loads_i
 
 @pytest.mark.parametrize("side", ["8", -1, True])
 def test_a_model_file_whose_feature_side_is_not_a_natural_number_is_refused(tmp_path, side):
-    _, path = _fednca_file(tmp_path)
-    card, state, etf = read_model_file(path)
-    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, factory_feature_side=side), etf)
+    forged = _forged_file(tmp_path, factory_feature_side=side)
     with pytest.raises(ModelFileError, match=r"'factory_feature_side' = .* is invalid; valid: an int >= 0"):
         read_model_file(forged)
 
 
 @pytest.mark.parametrize("method", ["fedsgd", ["fedavg"], None])
 def test_a_model_file_whose_method_is_none_of_fedskew_s_is_refused(tmp_path, method):
-    _, path = _fednca_file(tmp_path)
-    card, state, etf = read_model_file(path)
-    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, method=method), etf)
+    forged = _forged_file(tmp_path, method=method)
     with pytest.raises(ModelFileError, match=r"forged.safetensors: the header's 'method' = .* is invalid; valid: fednca, fedavg, "):
         read_model_file(forged)
 
@@ -172,8 +175,6 @@ def test_the_model_file_carries_the_rounds_decision_threshold_and_predict_decide
 
 
 def test_a_model_file_whose_threshold_is_not_a_probability_is_refused(tmp_path):
-    _, path = _fednca_file(tmp_path)
-    card, state, etf = read_model_file(path)
-    forged = save_model_file(tmp_path / "forged.safetensors", state, dataclasses.replace(card, threshold=1.5), etf)
+    forged = _forged_file(tmp_path, threshold=1.5)
     with pytest.raises(ModelFileError, match=r"multi-label 'threshold' = 1.5 is invalid; valid: a number in \(0, 1\)"):
         read_model_file(forged)
